@@ -1,0 +1,147 @@
+"""Non-negative feature maps phi for linear attention: FAVOR+, elu+1 and relu.
+
+FAVOR+ (Performer, Choromanski et al. 2020) estimates the softmax kernel
+``exp(q.k / sqrt(d))`` with positive orthogonal random features::
+
+    phi(x)_j = exp(w_j . x' - |x'|^2 / 2) / sqrt(m),    x' = x * d^(-1/4),  j = 1..m
+
+so that ``E_w[phi(q) . phi(k)] = exp(q.k / sqrt(d))``. The readable, unstabilised form is
+``linear_rope.reference.favor_features_ref``.
+
+Stabiliser: strictly causal, nothing added
+-------------------------------------------
+``exp`` overflows unless the exponent is shifted. performer-pytorch shifts keys by the max over
+the *whole sequence* and adds ``eps = 1e-4``: the shift lets future keys change past outputs,
+and with unit-variance keys the ``eps`` is larger than every feature, which flattens attention.
+
+Here every shift is either per query token or data-independent, and both cancel exactly in the
+ratio of Eq. 18/19. Let ``c_j = max(|w_a|^2, |w_b|^2) / 2`` over the rotation pair
+``{a, b} = {2i, 2i+1}`` that holds feature j (a lone last feature when m is odd is its own pair):
+
+* keys:    ``phi(k)_j = exp(w_j.k' - |k'|^2/2 - c_j)``                 (<= 1, see below)
+* queries: ``phi(q)_j = exp(s_j - max_i s_i)`` with ``s_j = w_j.q' + c_j``   (<= 1)
+
+The numerator and denominator are both linear in ``phi(q_m)``, so the per-token factor
+``exp(-|q'|^2/2 - max_i s_i)`` cancels. The factor ``exp(c_j)`` moves from the key to the query
+feature; RoPE rotates within a pair, and both features of a pair carry the same ``c_j``, so
+``(R_m phi(q))^T (R_n phi(k))`` is unchanged too. (A shift per *feature* would not survive the
+rotation.) Keys are bounded for any input: ``w.k' - |k'|^2/2 <= |w||k'| - |k'|^2/2 <= |w|^2/2``.
+The key shift depends on the fixed projection only and the query max on one token's features,
+so no information moves between positions: the map is strictly causal. No constant is added.
+Sharing ``c_j`` per pair keeps key features far from underflow compared with one global bound
+``max_j |w_j|^2 / 2`` (typically ``exp(-36)`` against ``exp(-54)`` for d = 64).
+
+Features come out in float32 or wider, whatever the input dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FavorFeatures", "FEATURE_KINDS", "default_nb_features", "draw_orthogonal_projection"]
+
+FEATURE_KINDS = ("favor", "elu", "relu")
+
+
+def default_nb_features(dim_head: int) -> int:
+    """int(d ln d), rounded up to an even number (266 for d = 64, as in performer-pytorch)."""
+    m = int(dim_head * math.log(dim_head))
+    return max(2, m + (m % 2))
+
+
+def draw_orthogonal_projection(
+    nb_features: int, dim_head: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """`[m, d]` block-orthogonal Gaussian projection, drawn by performer-pytorch.
+
+    With a ``generator`` the draw is reproducible and the global RNG is left untouched: the
+    generator yields a seed for a forked CPU RNG in which performer-pytorch draws.
+    """
+    from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
+
+    if generator is None:
+        return gaussian_orthogonal_random_matrix(nb_features, dim_head, scaling=0)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return gaussian_orthogonal_random_matrix(nb_features, dim_head, scaling=0)
+
+
+def pair_shift(w: torch.Tensor) -> torch.Tensor:
+    """c_j = max |w|^2 / 2 over the rotation pair (2i, 2i+1) holding feature j. w: `[m, d]` -> `[m]`."""
+    half_sq = 0.5 * (w * w).sum(-1)  # (m,)
+    m = half_sq.shape[0]
+    padded = torch.cat((half_sq, half_sq[-1:])) if m % 2 else half_sq
+    return padded.view(-1, 2).amax(-1).repeat_interleave(2)[:m]
+
+
+class FavorFeatures(nn.Module):
+    """Feature map phi: `[..., N, d]` -> `[..., N, m]`, non-negative, float32 or wider.
+
+    Args:
+        dim_head: d, the per-head dim of q and k.
+        nb_features: m. For ``favor`` it defaults to int(d ln d) rounded up to even; ``elu``
+            and ``relu`` act elementwise, so m = d and ``nb_features`` must be None or d.
+        kind: ``"favor"`` (FAVOR+ positive orthogonal random features of the softmax kernel),
+            ``"elu"`` (elu(x) + 1, Katharopoulos et al.) or ``"relu"``.
+    """
+
+    def __init__(self, dim_head: int, nb_features: int | None = None, *, kind: str = "favor"):
+        super().__init__()
+        if kind not in FEATURE_KINDS:
+            raise ValueError(f"kind must be one of {FEATURE_KINDS}, got {kind!r}")
+        if not isinstance(dim_head, int) or dim_head < 1:
+            raise ValueError(f"dim_head must be a positive int, got {dim_head!r}")
+        if kind == "favor":
+            nb_features = default_nb_features(dim_head) if nb_features is None else nb_features
+            if not isinstance(nb_features, int) or nb_features < 1:
+                raise ValueError(f"nb_features must be a positive int, got {nb_features!r}")
+        elif nb_features not in (None, dim_head):
+            raise ValueError(
+                f"nb_features: kind={kind!r} is elementwise, so it has m = dim_head = {dim_head} "
+                f"features; got nb_features={nb_features}"
+            )
+        self.kind = kind
+        self.dim_head = dim_head
+        self.out_features = nb_features if kind == "favor" else dim_head
+        if kind == "favor":
+            self.register_buffer("projection", draw_orthogonal_projection(self.out_features, dim_head))
+        else:
+            self.register_buffer("projection", None)
+
+    def extra_repr(self) -> str:
+        return f"dim_head={self.dim_head}, out_features={self.out_features}, kind={self.kind!r}"
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw a new projection (FAVOR+ only; a no-op for elu/relu)."""
+        if self.projection is None:
+            return
+        w = draw_orthogonal_projection(self.out_features, self.dim_head, generator)
+        self.projection.copy_(w)
+
+    def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        """x: `[..., N, d]` queries or keys -> `[..., N, m]` features in float32 or wider.
+
+        ``is_query`` picks the stabiliser (see the module docstring); elu/relu ignore it.
+        """
+        if x.shape[-1] != self.dim_head:
+            raise ValueError(f"x: last dim must be dim_head={self.dim_head}, got {tuple(x.shape)}")
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+        if self.kind == "elu":
+            return F.elu(x) + 1.0
+        if self.kind == "relu":
+            return F.relu(x)
+        w = self.projection.to(x.dtype)  # (m, d)
+        x = x * self.dim_head**-0.25
+        proj = x @ w.t()  # (..., N, m)
+        c = pair_shift(w)  # (m,)
+        if is_query:
+            s = proj + c  # |q'|^2/2 is per token: it cancels with the row max
+            return torch.exp(s - s.amax(-1, keepdim=True).detach())
+        x_sq = 0.5 * (x * x).sum(-1, keepdim=True)  # (..., N, 1)
+        # <= 0 in exact arithmetic; the clamp only removes round-off above 0.
+        return torch.exp((proj - x_sq - c).clamp(max=0.0))
