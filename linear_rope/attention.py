@@ -113,6 +113,7 @@ class RotaryLinearAttention(nn.Module):
         """
         if not self.causal:
             raise ValueError("step: a bidirectional layer cannot decode token by token")
+        check_offset(position, "position")
         if x_t.dim() != 2:
             raise ValueError(f"x_t must have shape [B, dim], got {tuple(x_t.shape)}")
         fq, fk, v = self._features(x_t.unsqueeze(1), position)  # (B, H, 1, .)

@@ -174,7 +174,7 @@ def rotary_linear_attention_step(
         ``(out_t, state)``: `[B, H, d]` in v's dtype, and the state including this token.
     """
     check_qkv(q_t, k_t, v_t, rotary=rotary, seq_dim=False)
-    check_offset(position)
+    check_offset(position, "position")
     out_dtype = v_t.dtype
     cdt = table_dtype(q_t.dtype)
     q_t, k_t, v_t = q_t.to(cdt), k_t.to(cdt), v_t.to(cdt)

@@ -19,11 +19,11 @@ import torch
 __all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset"]
 
 
-def check_offset(offset: int) -> int:
+def check_offset(offset: int, name: str = "offset") -> int:
     if isinstance(offset, bool) or not isinstance(offset, int):
-        raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        raise ValueError(f"{name} must be a non-negative int, got {offset!r}")
     if offset < 0:
-        raise ValueError(f"offset must be non-negative, got {offset}")
+        raise ValueError(f"{name} must be non-negative, got {offset}")
     return offset
 
 

@@ -1,0 +1,362 @@
+"""Byte-level data: enwik8 download/verify/split, any other corpus, batches, eval windows.
+
+Data lands on disk as three flat ``uint8`` files per corpus (nanoGPT style)::
+
+    data/enwik8/{train,valid,test}.bin            # 90M / 5M / 5M bytes
+    data/<stem>-<sha256[:10]>/{train,valid,test}.bin
+
+and is read back with :func:`load_split` as a read-only ``np.memmap``. Training draws
+random crops with :func:`get_batch` from a dedicated ``torch.Generator``; evaluation walks
+the whole split once with :func:`eval_batches`, so BPC is
+``summed nats / count_eval_bytes(split) / ln 2``.
+
+Every file is written to a temporary name in the same directory and moved into place with
+``os.replace``, so an interrupted run never leaves a truncated download or split behind.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import hashlib
+import http.client
+import lzma
+import os
+import re
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+import zipfile
+import zlib
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ENWIK8_URL", "ENWIK8_SIZE", "ENWIK8_MD5", "SPLITS", "DataError",
+    "read_corpus", "download", "verify_bytes", "split_sizes", "split_bytes",
+    "prepare_enwik8", "prepare_corpus", "load_split", "get_batch", "eval_batches",
+    "count_eval_bytes",
+]
+
+ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+ENWIK8_SIZE = 100_000_000
+ENWIK8_MD5 = "a1fa5ffddb56f4953e226637dabbb36a"  # of the decompressed 100 MB file
+SPLITS = ("train", "valid", "test")
+FRACTIONS = (0.9, 0.05, 0.05)
+MIN_SPLIT_BYTES = 2  # a split needs at least one (input, target) pair
+
+_CHUNK = 1 << 20
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+class DataError(Exception):
+    """Clear, one-line, user-facing error (the CLI prints it and exits 2)."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_corpus(path) -> bytes:
+    """Return the raw bytes of a ``.zip``, ``.gz``, ``.bz2``, ``.xz`` or plain file.
+
+    A zip must hold one file, or one member named like the archive's stem (``enwik8`` in
+    ``enwik8.zip``). The format is chosen by suffix (case-insensitive).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".zip":
+            return _read_zip(path)
+        if suffix in _OPENERS:
+            with _OPENERS[suffix](path, "rb") as f:
+                return f.read()
+        return path.read_bytes()
+    except (zipfile.BadZipFile, zlib.error, lzma.LZMAError, EOFError, OSError) as e:
+        raise DataError(f"cannot read {path}: {e} (corrupt or truncated file?)") from None
+
+
+def _read_zip(path: Path) -> bytes:
+    with zipfile.ZipFile(path) as zf:
+        members = [m for m in zf.infolist() if not m.is_dir()]
+        if not members:
+            raise DataError(f"zip archive {path} is empty")
+        if len(members) > 1:
+            named = [m for m in members if Path(m.filename).name == path.stem]
+            if len(named) != 1:
+                names = ", ".join(m.filename for m in members)
+                raise DataError(f"zip archive {path} has several members ({names}) "
+                                f"and none is uniquely named {path.stem!r}")
+            members = named
+        return zf.read(members[0])
+
+
+def verify_bytes(raw: bytes, *, size: int | None = None, md5: str | None = None,
+                 name: str = "data") -> None:
+    """Raise :class:`DataError` unless ``raw`` has ``size`` bytes and md5 ``md5`` (if given)."""
+    if size is not None and len(raw) != size:
+        raise DataError(f"{name} has {len(raw)} bytes, expected {size} "
+                        f"(truncated or wrong file?)")
+    if md5 is not None:
+        got = hashlib.md5(raw, usedforsecurity=False).hexdigest()
+        if got != md5.lower():
+            raise DataError(f"checksum mismatch for {name}: md5 got {got}, expected {md5}")
+
+
+# --------------------------------------------------------------------------- download
+
+
+def download(url: str, dest, *, md5: str | None = None, size: int | None = None,
+             timeout: float = 60.0) -> Path:
+    """Stream ``url`` to ``dest`` atomically, checking the downloaded file's size and md5.
+
+    The bytes go to a temporary file beside ``dest``, which is moved into place only after
+    every check passes. On any failure (HTTP status, connection, mismatch, Ctrl-C) the
+    temporary file is removed and ``dest`` is left untouched; network and check failures
+    raise :class:`DataError`, ``KeyboardInterrupt`` propagates as is.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    tmp = Path(tmp_name)
+    try:
+        print(f"downloading {url} -> {dest}", file=sys.stderr)
+        with os.fdopen(fd, "wb") as f:
+            got_size, got_md5 = _stream(url, f, timeout)
+        if size is not None and got_size != size:
+            raise DataError(f"download of {url} failed: got {got_size} bytes, "
+                            f"expected {size} (truncated?)")
+        if md5 is not None and got_md5 != md5.lower():
+            raise DataError(f"checksum mismatch for {url}: md5 got {got_md5}, expected {md5}")
+        os.replace(tmp, dest)
+    except urllib.error.HTTPError as e:
+        raise DataError(f"download of {url} failed: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise DataError(f"download of {url} failed: {e.reason}") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise DataError(f"download of {url} failed: {type(e).__name__}: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # a no-op once os.replace has moved it
+    return dest
+
+
+def _stream(url: str, f, timeout: float) -> tuple[int, str]:
+    """Copy the response body of ``url`` into ``f``; return (bytes written, md5 hex)."""
+    digest, written = hashlib.md5(usedforsecurity=False), 0
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        total = resp.headers.get("Content-Length")
+        bar = _progress_bar(int(total) if total else None, Path(url).name)
+        try:
+            while chunk := resp.read(_CHUNK):
+                f.write(chunk)
+                digest.update(chunk)
+                written += len(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+    return written, digest.hexdigest()
+
+
+def _progress_bar(total: int | None, desc: str):
+    """A tqdm bar if tqdm is installed and stderr is a terminal, else None."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None)
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def split_sizes(n: int, fractions=FRACTIONS) -> tuple[int, ...]:
+    """Byte counts of each split of an ``n``-byte corpus.
+
+    Every split but the last gets ``floor(n * fraction)``; the last gets the rest. Fractions
+    are read as exact decimals (0.9 is 9/10), so ``n = 10**8`` gives exactly 90M/5M/5M.
+    """
+    exact = [Fraction(f).limit_denominator(10**6) for f in fractions]
+    if any(f <= 0 for f in exact) or sum(exact) != 1:
+        raise ValueError(f"split fractions must be positive and sum to 1, got {fractions}")
+    head = [n * f.numerator // f.denominator for f in exact[:-1]]
+    return (*head, n - sum(head))
+
+
+def split_bytes(raw: bytes, fractions=FRACTIONS) -> dict[str, bytes]:
+    """Split ``raw`` in order into ``{"train", "valid", "test"}`` by :func:`split_sizes`."""
+    sizes = split_sizes(len(raw), fractions)
+    for name, k in zip(SPLITS, sizes):
+        if k < MIN_SPLIT_BYTES:
+            raise DataError(f"corpus of {len(raw)} bytes is too small to split "
+                            f"{'/'.join(f'{f:g}' for f in fractions)}: {name} would have "
+                            f"{k} bytes (need at least {MIN_SPLIT_BYTES})")
+    parts, start = {}, 0
+    for name, k in zip(SPLITS, sizes):
+        parts[name] = raw[start:start + k]
+        start += k
+    return parts
+
+
+# --------------------------------------------------------------------------- preparing
+
+
+def prepare_enwik8(data_dir="data", *, source=None, url: str = ENWIK8_URL,
+                   md5: str | None = ENWIK8_MD5, size: int | None = ENWIK8_SIZE,
+                   ) -> dict[str, Path]:
+    """Make ``data_dir/enwik8/{train,valid,test}.bin`` (90M/5M/5M) and return their paths.
+
+    A complete set of ``.bin`` files with the expected sizes is reused. Otherwise the raw
+    bytes come from ``source`` (a local .zip/.gz/.bz2/raw file) if given, else from
+    ``data_dir/enwik8.zip``, which is downloaded from ``url`` first if absent and kept so
+    re-runs do not download again. The *decompressed* bytes must match ``size`` and
+    ``md5`` (of the raw 100 MB file); if not, no ``.bin`` file is written and a zip
+    downloaded by this call is deleted again.
+    """
+    data_dir = Path(data_dir)
+    out_dir = data_dir / "enwik8"
+    paths = _split_paths(out_dir)
+    if _complete(paths, None if size is None else split_sizes(size)):
+        return paths
+    zip_path = data_dir / "enwik8.zip"
+    fresh = source is None and not zip_path.exists()
+    if fresh:
+        download(url, zip_path)
+    source = zip_path if source is None else Path(source)
+    try:
+        raw = read_corpus(source)
+        verify_bytes(raw, size=size, md5=md5, name=f"enwik8 from {source}")
+    except DataError as e:
+        if fresh:
+            zip_path.unlink(missing_ok=True)  # never cache a download that fails verification
+        elif source == zip_path:
+            raise DataError(f"{e}; delete {zip_path} to download it again") from None
+        raise
+    _write_splits(paths, split_bytes(raw))
+    return paths
+
+
+def prepare_corpus(path, data_dir="data") -> dict[str, Path]:
+    """Split any byte corpus 90/5/5 (no checksum) and return the ``.bin`` paths.
+
+    Files are cached under ``data_dir/<stem>-<sha256[:10]>/`` where the hash is of the
+    decompressed bytes, so a changed corpus never reuses stale splits.
+    """
+    raw = read_corpus(path)
+    sizes = split_sizes(len(raw))
+    tag = hashlib.sha256(raw).hexdigest()[:10]
+    paths = _split_paths(Path(data_dir) / f"{_safe_stem(path)}-{tag}")
+    if not _complete(paths, sizes):
+        _write_splits(paths, split_bytes(raw))
+    return paths
+
+
+def _safe_stem(path) -> str:
+    """``enwiki-sample.xml.bz2`` -> ``enwiki-sample``; odd characters become ``_``."""
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", Path(path).name.split(".")[0]).strip("_")
+    return stem or "corpus"
+
+
+def _split_paths(out_dir: Path) -> dict[str, Path]:
+    return {name: out_dir / f"{name}.bin" for name in SPLITS}
+
+
+def _complete(paths: dict[str, Path], sizes) -> bool:
+    """All split files exist and, if ``sizes`` is given, have exactly those byte counts."""
+    if not all(p.is_file() for p in paths.values()):
+        return False
+    return sizes is None or all(p.stat().st_size == k for p, k in zip(paths.values(), sizes))
+
+
+def _write_splits(paths: dict[str, Path], parts: dict[str, bytes]) -> None:
+    for name, path in paths.items():
+        _atomic_write(path, parts[name])
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp_name, path)
+    finally:
+        Path(tmp_name).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def load_split(path) -> np.memmap:
+    """Open a ``.bin`` split as a read-only ``uint8`` memmap of shape ``[N]``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    if path.stat().st_size == 0:
+        raise DataError(f"data file is empty: {path}")
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def get_batch(data, batch_size: int, seq_len: int,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random crops (nanoGPT style): ``x, y`` int64 of shape `[B, seq_len]`.
+
+    Row ``i`` is ``x = data[s:s + seq_len]``, ``y = data[s + 1:s + 1 + seq_len]`` for a
+    start ``s`` drawn uniformly from ``[0, len(data) - seq_len)``.
+
+    Only ``generator`` is consumed, never the global RNG, so a seed fixes the data stream
+    regardless of what the model draws.
+    """
+    data = _as_array(data)
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+    if len(data) < seq_len + 1:
+        raise DataError(f"split of {len(data)} bytes is too short for seq_len={seq_len} "
+                        f"(needs at least {seq_len + 1})")
+    starts = torch.randint(len(data) - seq_len, (batch_size,), generator=generator)
+    idx = starts.numpy()[:, None] + np.arange(seq_len + 1)  # (B, T+1)
+    window = torch.from_numpy(data[idx].astype(np.int64))
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def eval_batches(data, seq_len: int,
+                 batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed, non-overlapping windows that predict every byte of ``data[1:]`` exactly once.
+
+    Windows start at ``0, seq_len, 2 * seq_len, ...``; full windows come ``batch_size`` at a
+    time as int64 `[b, seq_len]` pairs, and a final shorter window of ``r`` targets comes
+    alone as `[1, r]`. Each window starts without context, as in the usual enwik8 protocol
+    with non-overlapping windows.
+    """
+    data = _as_array(data)
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+    n_pred = count_eval_bytes(data)
+    n_full = n_pred // seq_len
+    for first in range(0, n_full, batch_size):
+        b = min(batch_size, n_full - first)
+        chunk = torch.from_numpy(
+            data[first * seq_len:(first + b) * seq_len + 1].astype(np.int64))
+        yield chunk[:-1].view(b, seq_len), chunk[1:].view(b, seq_len)
+    start = n_full * seq_len
+    if start < n_pred:
+        chunk = torch.from_numpy(data[start:].astype(np.int64))
+        yield chunk[:-1].view(1, -1), chunk[1:].view(1, -1)
+
+
+def count_eval_bytes(data) -> int:
+    """Number of predicted bytes in a split: ``len(data) - 1``, the BPC denominator."""
+    return max(len(data) - 1, 0)
+
+
+def _as_array(data) -> np.ndarray:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    return data

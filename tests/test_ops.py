@@ -1,0 +1,157 @@
+import pytest
+import torch
+
+from linear_rope import rotary_linear_attention, rotary_linear_attention_step
+from linear_rope.reference import linear_attention_ref
+
+F64 = dict(dtype=torch.float64)
+
+
+def make_qkv(B, H, N, m, d, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, N, m, generator=g, dtype=torch.float64) + 0.01
+    k = torch.rand(B, H, N, m, generator=g, dtype=torch.float64) + 0.01
+    v = torch.randn(B, H, N, d, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def grads(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    up = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, up)
+
+
+def step_all(q, k, v, *, rotary, offset):
+    state, outs = None, []
+    for t in range(q.shape[2]):
+        o, state = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, offset + t, rotary=rotary)
+        outs.append(o)
+    return torch.stack(outs, dim=2)
+
+
+SIZES = [pytest.param(n, id=f"N{n}") for n in (1, 2, 63, 64, 257)]
+DIMS = [pytest.param(m, d, id=f"m{m}-d{d}") for m, d in ((2, 3), (10, 5), (16, 16))]
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+@pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("m, d", DIMS)
+@pytest.mark.parametrize("N", SIZES)
+def test_chunked_matches_reference(N, m, d, causal, rotary, offset):
+    q, k, v = make_qkv(2, 3, N, m, d, seed=N + m)
+    out = rotary_linear_attention(q, k, v, causal=causal, rotary=rotary, offset=offset)
+    ref = linear_attention_ref(q, k, v, causal=causal, rotary=rotary, offset=offset)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, gr in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(g, gr, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+@pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
+@pytest.mark.parametrize("m, d", DIMS[1:])
+@pytest.mark.parametrize("N", SIZES)
+def test_recurrent_matches_reference(N, m, d, rotary, offset):
+    q, k, v = make_qkv(2, 2, N, m, d, seed=3 * N + m)
+    out = step_all(q, k, v, rotary=rotary, offset=offset)
+    ref = linear_attention_ref(q, k, v, causal=True, rotary=rotary, offset=offset)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, gr in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(g, gr, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000])
+def test_chunk_size_does_not_change_result(chunk):
+    q, k, v = make_qkv(1, 2, 150, 8, 4)
+    want = linear_attention_ref(q, k, v)
+    torch.testing.assert_close(rotary_linear_attention(q, k, v, chunk_size=chunk), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
+def test_prefill_state_then_steps(rotary):
+    q, k, v = make_qkv(2, 2, 40, 10, 6)
+    ref = linear_attention_ref(q, k, v, rotary=rotary, offset=5)
+    out, state = rotary_linear_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], rotary=rotary, offset=5, return_state=True)
+    outs = [out]
+    for t in range(30, 40):
+        o, state = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, 5 + t, rotary=rotary)
+        outs.append(o.unsqueeze(2))
+    torch.testing.assert_close(torch.cat(outs, dim=2), ref, rtol=1e-10, atol=1e-12)
+    assert state.S.shape == (2, 2, 10, 6) and state.z.shape == (2, 2, 10)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_translation_invariance(causal):
+    q, k, v = make_qkv(2, 2, 100, 16, 8)
+    a = rotary_linear_attention(q, k, v, causal=causal, offset=0)
+    b = rotary_linear_attention(q, k, v, causal=causal, offset=1000)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert not torch.allclose(a, rotary_linear_attention(q, k, v, causal=causal, rotary=False), atol=1e-3)
+
+
+@pytest.mark.parametrize("t", [0, 31, 63, 64, 200])
+@pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
+def test_strictly_causal(t, rotary):
+    q, k, v = make_qkv(2, 2, 257, 10, 6)
+    out = rotary_linear_attention(q, k, v, rotary=rotary)
+    q2, k2, v2 = (x.detach().clone() for x in (q, k, v))
+    g = torch.Generator().manual_seed(7)
+    for x in (q2, k2):
+        x[:, :, t + 1:] = torch.rand(x[:, :, t + 1:].shape, generator=g, **F64) * 100
+    v2[:, :, t + 1:] = torch.randn(v2[:, :, t + 1:].shape, generator=g, **F64) * 100
+    out2 = rotary_linear_attention(q2, k2, v2, rotary=rotary)
+    assert (out[:, :, : t + 1] - out2[:, :, : t + 1]).abs().max().item() <= 1e-12
+    if t < 256:
+        assert (out[:, :, t + 1:] - out2[:, :, t + 1:]).abs().max().item() > 1e-3
+
+
+def test_bf16_error_does_not_grow_along_the_sequence():
+    # Running sums and tables are float32, so the last positions are no worse than the first.
+    N = 4096
+    q, k, v = (t.detach() for t in make_qkv(1, 2, N, 16, 8))
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = linear_attention_ref(qb.double(), kb.double(), vb.double())
+    out = rotary_linear_attention(qb, kb, vb)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    first, last = err[:, :, :64].mean().item(), err[:, :, -64:].mean().item()
+    assert last <= 2 * first, (first, last)
+
+
+def test_zero_features_give_zero_not_nan():
+    q, k, v = make_qkv(1, 1, 10, 4, 3)
+    q = q.detach().clone()
+    q[:, :, 3] = 0.0
+    out = rotary_linear_attention(q, k, v)
+    assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
+
+
+def _qkv(N=5, m=4, d=3):
+    return [t.detach() for t in make_qkv(2, 2, N, m, d)]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q=_qkv(m=3)[0], k=_qkv(m=3)[1], v=_qkv(m=3)[2]), "even"),
+    (dict(q=_qkv()[0], k=_qkv(N=6)[1], v=_qkv()[2]), "k must have the shape"),
+    (dict(q=_qkv()[0], k=_qkv()[1], v=_qkv(N=6)[2]), "v must have shape"),
+    (dict(q=_qkv()[0][0], k=_qkv()[1][0], v=_qkv()[2][0]), "q must have shape"),
+    (dict(q=_qkv()[0], k=_qkv()[1].float(), v=_qkv()[2]), "dtype"),
+    (dict(q=_qkv()[0], k=_qkv()[1], v=_qkv()[2], offset=-1), "offset"),
+    (dict(q=_qkv(N=0)[0], k=_qkv(N=0)[1], v=_qkv(N=0)[2]), "empty"),
+    (dict(q=_qkv()[0], k=_qkv()[1], v=_qkv()[2].long()), "floating"),
+], ids=["odd-m", "k-shape", "v-shape", "3d", "dtype", "offset", "empty", "int-v"])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rotary_linear_attention(**kwargs)
+
+
+def test_step_bad_input():
+    q, k, v = (t[:, :, 0] for t in _qkv())
+    with pytest.raises(ValueError, match="position"):
+        rotary_linear_attention_step(q, k, v, None, -3)
+    _, state = rotary_linear_attention_step(q, k, v, None, 0)
+    q8, k8, v8 = (t[:, :, 0] for t in _qkv(m=8))
+    with pytest.raises(ValueError, match="state"):
+        rotary_linear_attention_step(q8, k8, v8, state, 1)
+    with pytest.raises(ValueError, match="even"):
+        rotary_linear_attention_step(q[..., :3], k[..., :3], v, None, 0)
