@@ -78,7 +78,8 @@ class RotaryLinearAttention(nn.Module):
         q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
         if self.position == "rope_pre":
             q, k = apply_rotary(q, offset=offset, base=self.base), apply_rotary(k, offset=offset, base=self.base)
-        return self.features(q, is_query=True), self.features(k, is_query=False), v
+        fq, fk = self.features(q, is_query=True), self.features(k, is_query=False)
+        return fq, fk, v.to(fq.dtype)  # features are float32 or wider; the op wants one dtype
 
     def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, N, d = out.shape

@@ -57,17 +57,29 @@ def draw_orthogonal_projection(
 ) -> torch.Tensor:
     """`[m, d]` block-orthogonal Gaussian projection, drawn by performer-pytorch.
 
+    performer-pytorch takes Q from ``torch.linalg.qr`` without fixing the signs of R's
+    diagonal, so Q is not Haar: row i of each block leans towards -e_i (mean about -0.4 on that
+    axis for d = 4), and the FAVOR+ estimate it feeds is biased (about -8% for
+    ``E exp(w.u)`` at |u| = 1.2, d = 16). Multiplying every row by an independent random sign
+    makes each block exactly Haar again (Haar measure is invariant under sign flips), so each
+    row is marginally N(0, I_d) and the estimator is unbiased.
+
     With a ``generator`` the draw is reproducible and the global RNG is left untouched: the
     generator yields a seed for a forked CPU RNG in which performer-pytorch draws.
     """
     from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 
+    def draw():
+        w = gaussian_orthogonal_random_matrix(nb_features, dim_head, scaling=0)
+        signs = torch.randint(0, 2, (nb_features, 1)).to(w) * 2 - 1
+        return w * signs
+
     if generator is None:
-        return gaussian_orthogonal_random_matrix(nb_features, dim_head, scaling=0)
+        return draw()
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return gaussian_orthogonal_random_matrix(nb_features, dim_head, scaling=0)
+        return draw()
 
 
 def pair_shift(w: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,235 @@
+"""PerformerLM: a byte-level language model of Pre-LN RotaryLinearAttention blocks."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import RotaryLinearAttention
+from .features import FEATURE_KINDS
+from .ops import LinearAttentionState
+
+__all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
+
+# The ablation's variants: where position information enters the model.
+LM_POSITIONS = ("rope", "rope_pre", "absolute", "none")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # bytes
+    dim: int = 768  # model width
+    depth: int = 12  # number of blocks
+    heads: int = 12  # attention heads
+    dim_head: int = 64  # per-head dim d
+    nb_features: int | None = 266  # FAVOR+ features m (None: int(d ln d), even)
+    seq_len: int = 1024  # training context; also the size of the `absolute` table
+    position: str = "rope"  # rope (Eq. 19) | rope_pre | absolute | none
+    feature_map: str = "favor"  # favor | elu | relu
+    ff_mult: int = 4  # feed-forward hidden = ff_mult * dim
+    dropout: float = 0.0  # on residual branches and embeddings
+    rope_base: float = 10000.0  # RoPE base
+    feature_redraw_interval: int = 1000  # training steps between FAVOR+ redraws (0: never)
+
+    def __post_init__(self):
+        if self.position not in LM_POSITIONS:
+            raise ValueError(f"position must be one of {LM_POSITIONS}, got {self.position!r}")
+        if self.feature_map not in FEATURE_KINDS:
+            raise ValueError(f"feature_map must be one of {FEATURE_KINDS}, got {self.feature_map!r}")
+        for f in ("vocab_size", "dim", "depth", "heads", "dim_head", "seq_len", "ff_mult"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.feature_redraw_interval < 0:
+            raise ValueError(f"feature_redraw_interval must be >= 0, got {self.feature_redraw_interval}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    # RoFormer section 4.4: 12 layers, 768 dim, 12 heads x 64, m = 266, sequence 1024.
+    "paper": dict(dim=768, depth=12, heads=12, dim_head=64, nb_features=266, seq_len=1024),
+    # 12 layers at reduced width and length: about 0.6 s per training step on 2 CPU cores
+    # (batch 16 x 256 tokens; see README for the measured figure).
+    "cpu": dict(dim=128, depth=12, heads=4, dim_head=32, nb_features=64, seq_len=256),
+    # For tests.
+    "tiny": dict(dim=32, depth=2, heads=2, dim_head=8, nb_features=16, seq_len=32),
+}
+
+
+class FeedForward(nn.Sequential):
+    def __init__(self, dim: int, mult: int, dropout: float):
+        super().__init__(nn.Linear(dim, mult * dim), nn.GELU(), nn.Linear(mult * dim, dim), nn.Dropout(dropout))
+
+
+class Block(nn.Module):
+    """Pre-LN: x + attn(ln(x)), then x + ff(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        attn_position = cfg.position if cfg.position in ("rope", "rope_pre") else "none"
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = RotaryLinearAttention(
+            cfg.dim, heads=cfg.heads, dim_head=cfg.dim_head, nb_features=cfg.nb_features,
+            causal=True, position=attn_position, feature_map=cfg.feature_map, dropout=cfg.dropout,
+            base=cfg.rope_base,
+        )
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.ff = FeedForward(cfg.dim, cfg.ff_mult, cfg.dropout)
+
+    def forward(self, x, *, return_state=False):
+        a = self.attn(self.ln1(x), return_state=return_state)
+        a, state = a if return_state else (a, None)
+        x = x + a
+        return x + self.ff(self.ln2(x)), state
+
+    def step(self, x_t, state, position):
+        a, state = self.attn.step(self.ln1(x_t), state, position)
+        x_t = x_t + a
+        return x_t + self.ff(self.ln2(x_t)), state
+
+
+class PerformerLM(nn.Module):
+    """Byte-level causal LM: ids `[B, N]` (long, 0..255) -> logits `[B, N, 256]`.
+
+    Variants differ *only* in ``cfg.position``: every other weight is created and initialised
+    in the same order, so the same seed gives the same initial weights (the ``absolute``
+    table is created last).
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None, **overrides):
+        super().__init__()
+        cfg = ModelConfig(**{**asdict(cfg or ModelConfig()), **overrides})
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2 scaled init of residual projections
+            if name.endswith(("attn.to_out.weight", "ff.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * cfg.depth) ** 0.5)
+        self.pos_emb = None
+        if cfg.position == "absolute":
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
+            nn.init.normal_(self.pos_emb.weight, mean=0.0, std=0.02)
+
+    @staticmethod
+    def _init(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "PerformerLM":
+        """Build a named preset (``paper``, ``cpu``, ``tiny``) with field overrides."""
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {sorted(MODEL_PRESETS)}")
+        known = {f.name for f in fields(ModelConfig)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise ValueError(f"unknown model config field(s) {bad}; known: {sorted(known)}")
+        return cls(ModelConfig(**{**MODEL_PRESETS[name], **overrides}))
+
+    @property
+    def feature_modules(self):
+        return [b.attn.features for b in self.blocks]
+
+    @torch.no_grad()
+    def redraw_features(self, generator: torch.Generator | None = None) -> None:
+        """New FAVOR+ projections for every layer, drawn in layer order from ``generator``."""
+        for f in self.feature_modules:
+            f.redraw(generator)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _embed(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            n = ids.shape[1]
+            if offset + n > self.cfg.seq_len:
+                raise ValueError(
+                    f"ids: positions up to {offset + n} exceed the absolute table of seq_len={self.cfg.seq_len}"
+                )
+            x = x + self.pos_emb.weight[offset : offset + n]
+        return self.drop(x)
+
+    def forward(self, ids: torch.Tensor, *, return_state: bool = False):
+        """ids `[B, N]` long -> logits `[B, N, vocab]`; with ``return_state`` also the
+        per-layer recurrent states after the last token (for ``step``)."""
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.long, torch.int32, torch.uint8):
+            raise ValueError(f"ids must be an integer tensor [B, N] with N >= 1, got {ids.dtype} {tuple(ids.shape)}")
+        x = self._embed(ids.long(), 0)
+        states = []
+        for block in self.blocks:
+            x, state = block(x, return_state=return_state)
+            states.append(state)
+        logits = self.head(self.ln_f(x))
+        return (logits, states) if return_state else logits
+
+    def step(self, token: torch.Tensor, states: list[LinearAttentionState], position: int):
+        """One token `[B]` at ``position`` -> (logits `[B, vocab]`, new states); O(1) in the context."""
+        x = self._embed(token.long()[:, None], position)[:, 0]
+        new = []
+        for block, state in zip(self.blocks, states):
+            x, state = block.step(x, state, position)
+            new.append(state)
+        return self.head(self.ln_f(x)), new
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: bytes,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> bytes:
+        """Sample ``max_new_tokens`` bytes after ``prompt``; returns the new bytes only.
+
+        The prompt is read once in parallel; every new token then costs one recurrent
+        ``step`` per layer, O(1) in the context length. ``top_k=1`` (or ``temperature=0``)
+        is greedy decoding.
+        """
+        if not isinstance(prompt, (bytes, bytearray)) or len(prompt) == 0:
+            raise ValueError("prompt must be non-empty bytes")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if self.pos_emb is not None and len(prompt) + max_new_tokens > self.cfg.seq_len + 1:
+            raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.cfg.seq_len}")
+        was_training = self.training
+        self.eval()
+        device = self.head.weight.device
+        ids = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]
+        logits, states = self(ids, return_state=True)
+        logits = logits[:, -1].float()
+        out = []
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+            out.append(int(nxt))
+            if i + 1 < max_new_tokens:
+                logits, states = self.step(nxt, states, ids.shape[1] + i)
+                logits = logits.float()
+        self.train(was_training)
+        return bytes(out)
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
+    """logits `[B, V]` -> token ids `[B]`."""
+    if top_k == 1 or temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
