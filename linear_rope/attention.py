@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .favor_attention import favor_rotary_attention
 from .features import FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .rotary import apply_rotary, check_offset
@@ -72,12 +73,17 @@ class RotaryLinearAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim_head={self.dim_head}, causal={self.causal}, position={self.position!r}"
 
-    def _features(self, x: torch.Tensor, offset: int):
-        """x `[B, N, dim]` -> phi(q), phi(k) `[B, H, N, m]` and v `[B, H, N, d]`."""
+    def _qkv(self, x: torch.Tensor, offset: int):
+        """x `[B, N, dim]` -> q, k, v `[B, H, N, d]` (q and k rotated for ``rope_pre``)."""
         B, N, _ = x.shape
         q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
         if self.position == "rope_pre":
             q, k = apply_rotary(q, offset=offset, base=self.base), apply_rotary(k, offset=offset, base=self.base)
+        return q, k, v
+
+    def _features(self, x: torch.Tensor, offset: int):
+        """x `[B, N, dim]` -> phi(q), phi(k) `[B, H, N, m]` and v `[B, H, N, d]`."""
+        q, k, v = self._qkv(x, offset)
         fq, fk = self.features(q, is_query=True), self.features(k, is_query=False)
         return fq, fk, v.to(fq.dtype)  # features are float32 or wider; the op wants one dtype
 
@@ -97,6 +103,13 @@ class RotaryLinearAttention(nn.Module):
         check_offset(offset)
         if return_state and not self.causal:
             raise ValueError("return_state: a bidirectional layer has no recurrent state")
+        if self.causal and self.features.kind == "favor" and not return_state:
+            # fused features + RoPE + Eq. 19 with a hand-written backward (same result)
+            q, k, v = self._qkv(x, offset)
+            out = favor_rotary_attention(
+                q, k, v, self.features.projection, rotary=self.position == "rope", offset=offset, base=self.base
+            )
+            return self._project_out(out, x)
         fq, fk, v = self._features(x, offset)
         res = rotary_linear_attention(
             fq, fk, v, causal=self.causal, rotary=self.position == "rope", offset=offset,

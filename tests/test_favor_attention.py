@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from linear_rope import FavorFeatures, rotary_linear_attention
+from linear_rope.favor_attention import favor_rotary_attention
+from linear_rope.reference import favor_features_ref, linear_attention_ref
+
+F64 = dict(dtype=torch.float64)
+
+
+def inputs(B, H, N, d, e, m, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (scale * torch.randn(B, H, N, d, generator=g, **F64) for _ in range(2))
+    v = torch.randn(B, H, N, e, generator=g, **F64)
+    torch.manual_seed(seed)
+    w = FavorFeatures(d, m).projection.double()
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), w
+
+
+def reference(q, k, v, w, rotary, offset):
+    return linear_attention_ref(favor_features_ref(q, w), favor_features_ref(k, w), v, rotary=rotary, offset=offset)
+
+
+def check(out, ref, inputs_, rtol=1e-9):
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), **F64)
+    for g, gr in zip(torch.autograd.grad(out, inputs_, up), torch.autograd.grad(ref, inputs_, up)):
+        torch.testing.assert_close(g, gr, rtol=rtol, atol=1e-11)
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+@pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
+@pytest.mark.parametrize("m, d, e", [pytest.param(8, 4, 3, id="m8"), pytest.param(10, 6, 5, id="m10"), pytest.param(266, 64, 64, id="m266")])
+@pytest.mark.parametrize("N", [1, 2, 63, 64, 257])
+def test_fused_matches_reference(N, m, d, e, rotary, offset):
+    if m == 266 and N > 64:
+        pytest.skip("m=266 covered at N <= 64 and in test_block_and_chunk_sizes (keeps the suite fast)")
+    q, k, v, w = inputs(2, 2, N, d, e, m, seed=N + m)
+    out = favor_rotary_attention(q, k, v, w, rotary=rotary, offset=offset, chunk_size=16, block_size=48)
+    check(out, reference(q, k, v, w, rotary, offset), (q, k, v))
+
+
+@pytest.mark.parametrize("chunk, block", [(1, 1), (7, 7), (8, 24), (64, 256), (64, 1000), (300, 300)])
+def test_block_and_chunk_sizes(chunk, block):
+    q, k, v, w = inputs(1, 3, 150, 16, 8, 40)
+    out = favor_rotary_attention(q, k, v, w, chunk_size=chunk, block_size=block)
+    check(out, reference(q, k, v, w, True, 0), (q, k, v))
+
+
+def test_fused_equals_two_step_path():
+    q, k, v, w = inputs(2, 2, 100, 8, 5, 12)
+    f = FavorFeatures(8, 12).double()
+    f.projection.copy_(w)
+    two = rotary_linear_attention(f(q, is_query=True), f(k, is_query=False), v)
+    torch.testing.assert_close(favor_rotary_attention(q, k, v, w), two, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [0, 63, 64, 200])
+def test_fused_is_strictly_causal(t):
+    q, k, v, w = (x.detach() if x.requires_grad else x for x in inputs(1, 2, 300, 8, 4, 10, scale=2.0))
+    out = favor_rotary_attention(q, k, v, w, chunk_size=64, block_size=128)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for x in (q2, k2, v2):
+        x[:, :, t + 1:] = 30 * torch.randn_like(x[:, :, t + 1:])
+    out2 = favor_rotary_attention(q2, k2, v2, w, chunk_size=64, block_size=128)
+    assert (out[:, :, : t + 1] - out2[:, :, : t + 1]).abs().max().item() <= 1e-12
+
+
+def test_large_inputs_stay_finite():
+    q, k, v, w = inputs(1, 2, 200, 16, 8, 32, scale=6.0)
+    out = favor_rotary_attention(q.float(), k.float(), v.float(), w.float())
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+
+
+def test_bf16_error_does_not_grow_along_the_sequence():
+    q, k, v, w = (x.detach() for x in inputs(1, 2, 4096, 16, 8, 32, scale=0.5))
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = reference(qb.double(), kb.double(), vb.double(), w, True, 0)
+    out = favor_rotary_attention(qb, kb, vb, w.float())
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    first, last = err[:, :, :64].mean().item(), err[:, :, -64:].mean().item()
+    assert last <= 2 * first, (first, last)
+
+
+def test_bad_input():
+    q, k, v, w = (x.detach() for x in inputs(1, 1, 5, 4, 3, 8))
+    with pytest.raises(ValueError, match="projection"):
+        favor_rotary_attention(q, k, v, w[:, :3])
+    with pytest.raises(ValueError, match="even"):
+        favor_rotary_attention(q, k, v, w[:7])
+    with pytest.raises(ValueError, match="offset"):
+        favor_rotary_attention(q, k, v, w, offset=-2)
+    with pytest.raises(ValueError, match="empty"):
+        favor_rotary_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], w)
+    favor_rotary_attention(q, k, v, w[:7], rotary=False)  # odd m is fine without RoPE
