@@ -1,0 +1,63 @@
+"""Strict causality: how much do outputs at positions < t move when only keys at >= t change?
+
+performer-pytorch's causal FAVOR+ subtracts a key max taken over the whole sequence, so future
+keys change past outputs. Ours uses a data-independent key shift (see linear_rope.features).
+Same random inputs, same projection, for both. Run: python -m benchmarks.leak [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import warnings
+
+import torch
+
+from linear_rope import FavorFeatures
+from linear_rope.favor_attention import favor_rotary_attention
+
+
+def measure(trials: int = 20, N: int = 1024, t: int = 400, d: int = 64, m: int = 266, heads: int = 4) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from performer_pytorch.performer_pytorch import FastAttention
+    theirs_abs, theirs_rel, ours_abs, ours_rel = [], [], [], []
+    for trial in range(trials):
+        g = torch.Generator().manual_seed(trial)
+        q, k, v = (torch.randn(1, heads, N, d, generator=g, dtype=torch.float64) for _ in range(3))
+        k2 = k.clone()
+        k2[:, :, t:] = torch.randn(k2[:, :, t:].shape, generator=g, dtype=torch.float64)
+        torch.manual_seed(trial)
+        f = FavorFeatures(d, m).double()
+        fa = FastAttention(d, m, causal=True).double()
+        fa.projection_matrix.copy_(f.projection)
+        for fn, a_list, r_list in (
+            (lambda kk: fa(q, kk, v), theirs_abs, theirs_rel),
+            (lambda kk: favor_rotary_attention(q, kk, v, f.projection, rotary=False), ours_abs, ours_rel),
+        ):
+            before, after = fn(k)[:, :, :t], fn(k2)[:, :, :t]
+            diff = (after - before).abs().amax(-1)  # per position
+            a_list.append(diff.max().item())
+            r_list.append((diff / before.abs().amax(-1)).max().item())
+    summary = lambda xs: {"max": max(xs), "median": statistics.median(xs)}
+    return {
+        "setup": dict(trials=trials, N=N, t=t, d=d, m=m, heads=heads, dtype="float64"),
+        "performer_pytorch": {"abs": summary(theirs_abs), "rel": summary(theirs_rel)},
+        "ours": {"abs": summary(ours_abs), "rel": summary(ours_rel)},
+    }
+
+
+def main(quick: bool = False) -> dict:
+    res = measure(trials=3, N=128, t=50, heads=1) if quick else measure()
+    s = res["setup"]
+    print(f"keys at positions >= {s['t']} replaced; change of outputs at positions < {s['t']} "
+          f"(N={s['N']}, d={s['d']}, m={s['m']}, {s['trials']} trials, float64)")
+    for name in ("performer_pytorch", "ours"):
+        r = res[name]
+        print(f"  {name:18s} abs max {r['abs']['max']:.3g}  rel median {r['rel']['median']:.3g}  rel max {r['rel']['max']:.3g}")
+    return res
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    main(p.parse_args().quick)
