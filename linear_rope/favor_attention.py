@@ -36,26 +36,35 @@ CHUNK = 64
 BLOCK = 256  # tokens per block: small blocks stay in cache (measured best of 64..4096 on 2-core EPYC)
 
 
-def _features(x, w, wk, c, scale, is_query):
+def _features(x, wq, wk, scale, is_query):
     """x `[BH, T, d]` -> (phi `[BH, T, m]`, x * scale).
 
-    Queries: exp(w.x' + c - max). Keys: exp(w.x' - |x'|^2/2 - c), the |x'|^2/2 entering the
-    GEMM as an extra input column against a column of ones in ``wk = [w, 1]``.
+    The shifts ride in the projection GEMM as extra input columns: queries
+    ``[x', 1] @ [w, c]^T = w.x' + c`` (then minus the row max), keys
+    ``[x', -|x'|^2/2, 1] @ [w, 1, -c]^T = w.x' - |x'|^2/2 - c``.
     """
     BH, T, d = x.shape
     xs = x * scale
+    one = torch.ones_like(xs[..., :1])
     if is_query:
-        a = torch.addmm(c, xs.view(BH * T, d), w.t()).view(BH, T, -1)
+        a = (torch.cat((xs, one), dim=-1) @ wq.t())
         a -= a.amax(-1, keepdim=True)
     else:
-        xa = torch.cat((xs, (xs * xs).sum(-1, keepdim=True).mul_(-0.5)), dim=-1)
-        a = torch.addmm(-c, xa.view(BH * T, d + 1), wk.t()).view(BH, T, -1)
+        a = torch.cat((xs, (xs * xs).sum(-1, keepdim=True).mul_(-0.5), one), dim=-1) @ wk.t()
     return a.exp_(), xs
 
 
 def _rotate(phi, rot):
-    """Interleaved pairs of phi `[BH, T, m]` times the complex table rot `[T, m/2]`."""
+    """Interleaved pairs of phi `[BH, T, m]` times the complex table rot `[T, m/2]`.
+
+    Eager: one complex multiplication (4x faster than strided real arithmetic). Under
+    torch.compile, which has no complex codegen, the real form that Inductor fuses into one loop.
+    """
     BH, T, m = phi.shape
+    if torch.compiler.is_compiling():
+        x = phi.view(BH, T, m // 2, 2)
+        x1, x2, cos, sin = x[..., 0], x[..., 1], rot.real, rot.imag
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).view(BH, T, m)
     return torch.view_as_real(torch.view_as_complex(phi.view(BH, T, m // 2, 2)) * rot).view(BH, T, m)
 
 
@@ -67,94 +76,129 @@ def _chunks(t, C):
 
 def _excl_cumsum(x, start):
     """x `[BH, nc, ...]`: prefix sums before each chunk, starting from ``start``; and the total."""
-    inc = x.cumsum(1).add_(start.unsqueeze(1))
-    return torch.cat((start.unsqueeze(1), inc[:, :-1]), dim=1), inc[:, -1]
+    inc = x.cumsum(1)
+    total = inc[:, -1] + start
+    return inc.sub_(x).add_(start.unsqueeze(1)), total
 
 
 def _excl_suffix(x, end):
     """x `[BH, nc, ...]`: sums after each chunk, plus ``end``; and the total."""
-    rev = x.flip(1).cumsum(1).add_(end.unsqueeze(1))  # rev[:, i] = sum of the last i+1 chunks
-    return torch.cat((rev[:, :-1].flip(1), end.unsqueeze(1)), dim=1), rev[:, -1]
+    total = x.sum(1) + end
+    return x.cumsum(1).neg_().add_(total.unsqueeze(1)), total
+
+
+def _block_forward(q, k, v, w, wq, wk, scale: float, rot, S, z, C: int):
+    """One block: q, k `[BH, t, d]`, v `[BH, t, e]`, state S `[BH, m, e]`, z `[BH, m]` before it.
+
+    Returns the block's output `[BH, t, e]`, denominator `[BH, t]` and the state after it.
+    """
+    BH, t, e = v.shape
+    m, nc = w.shape[0], t // C
+    phq, _ = _features(q, wq, wk, scale, True)
+    phk, _ = _features(k, wq, wk, scale, False)
+    fq, fk = _chunks(phq, C), _chunks(phk, C)  # unrotated, (BH*nc, C, m)
+    zx, z = _excl_cumsum(fk.sum(1).view(BH, nc, m), z)
+    den = torch.bmm(fq, zx.view(-1, m, 1)).squeeze(-1).add_(torch.bmm(fq, fk.transpose(1, 2)).tril_().sum(-1))
+    if rot is not None:
+        rq, rk = _chunks(_rotate(phq, rot), C), _chunks(_rotate(phk, rot), C)
+    else:
+        rq, rk = fq, fk
+    vb = _chunks(v, C)
+    Sx, S = _excl_cumsum(torch.bmm(rk.transpose(1, 2), vb).view(BH, nc, m, e), S)
+    num = torch.bmm(rq, Sx.view(-1, m, e)).baddbmm_(torch.bmm(rq, rk.transpose(1, 2)).tril_(), vb)
+    den = den.view(BH, t)
+    return num.view(BH, t, e) / den.unsqueeze(-1), den, S, z
+
+
+def _block_backward(q, k, v, g, out, den, w, wq, wk, scale: float, rot, S0, z0, G, Zq, C: int):
+    """Gradients of one block, given the state before it (S0, z0) and the suffix sums after it
+    (G = sum rq dnum^T, Zq = sum dden phi(q)). Returns dq, dk, dv and the suffix sums before it."""
+    BH, t, e = v.shape
+    m, nc = w.shape[0], t // C
+    dnum = g / den.unsqueeze(-1)  # (BH, t, e)
+    dden = (g * out).sum(-1).div_(den).neg_()  # (BH, t)
+    phq, _ = _features(q, wq, wk, scale, True)
+    phk, xks = _features(k, wq, wk, scale, False)
+    fq, fk = _chunks(phq, C), _chunks(phk, C)
+    # denominator den_n = phq_n . (z0 + sum_{j <= n} phk_j), chunked
+    Md = dden.view(-1, C, 1).expand(-1, C, C).tril()  # Md[n, j] = dden_n for j <= n
+    zx, _ = _excl_cumsum(fk.sum(1).view(BH, nc, m), z0)
+    Zx, Zq = _excl_suffix(torch.bmm(dden.view(-1, 1, C), fq).view(BH, nc, m), Zq)
+    dfq = torch.bmm(Md, fk).addcmul_(dden.view(-1, C, 1), zx.view(-1, 1, m))
+    dfk = torch.bmm(Md.transpose(1, 2), fq).add_(Zx.view(-1, 1, m))
+    # numerator: chunked linear attention on the rotated features
+    if rot is not None:
+        rq, rk = _chunks(_rotate(phq, rot), C), _chunks(_rotate(phk, rot), C)
+    else:
+        rq, rk = fq, fk
+    vb, dnb = _chunks(v, C), _chunks(dnum, C)
+    Sx, _ = _excl_cumsum(torch.bmm(rk.transpose(1, 2), vb).view(BH, nc, m, e), S0)
+    Gx, G = _excl_suffix(torch.bmm(rq.transpose(1, 2), dnb).view(BH, nc, m, e), G)
+    Sx, Gx = Sx.view(-1, m, e), Gx.view(-1, m, e)
+    P = torch.bmm(dnb, vb.transpose(1, 2)).tril_()  # P[n, j] = dnum_n . v_j, j <= n
+    A = torch.bmm(rq, rk.transpose(1, 2)).tril_()
+    drq = torch.bmm(dnb, Sx.transpose(1, 2)).baddbmm_(P, rk).view(BH, t, m)
+    drk = torch.bmm(vb, Gx.transpose(1, 2)).baddbmm_(P.transpose(1, 2), rq).view(BH, t, m)
+    dv = torch.bmm(rk, Gx).baddbmm_(A.transpose(1, 2), dnb).view(BH, t, e)
+    if rot is not None:
+        drq, drk = _rotate(drq, rot.conj()), _rotate(drk, rot.conj())
+    # phi = exp(a), so da = dphi * phi; then back through the projection GEMM
+    da = dfq.view(BH, t, m).add_(drq).mul_(phq)
+    db = dfk.view(BH, t, m).add_(drk).mul_(phk)
+    dq = (da @ w).mul_(scale)
+    dk = (db @ w).sub_(xks * db.sum(-1, keepdim=True)).mul_(scale)
+    return dq, dk, dv, G, Zq
+
+
+_compiled: dict = {}
+
+
+def use_compile(enabled: bool = True) -> None:
+    """Run the block functions through ``torch.compile`` (Inductor fuses the elementwise work;
+    about 2x on the feature maps on CPU). Off by default: compiling costs tens of seconds per
+    shape, needs a C++ compiler on CPU, and eager is the tested reference path."""
+    _compiled.clear()
+    if enabled:
+        _compiled["forward"] = torch.compile(_block_forward, dynamic=False)
+        _compiled["backward"] = torch.compile(_block_backward, dynamic=False)
 
 
 class _FavorRotaryCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, w, wk, c, scale, rot, C, T):
+    def forward(ctx, q, k, v, w, wq, wk, scale, rot, C, T):
         BH, N, e = v.shape
         m = w.shape[0]
+        fwd = _compiled.get("forward", _block_forward)
         out = torch.empty_like(v)
         den = torch.empty(BH, N, dtype=v.dtype, device=v.device)
         S, z = v.new_zeros(BH, m, e), v.new_zeros(BH, m)
         S0, z0 = [], []
         for b0 in range(0, N, T):
             b1 = min(b0 + T, N)
-            nc = (b1 - b0) // C
             S0.append(S), z0.append(z)
-            phq, _ = _features(q[:, b0:b1], w, wk, c, scale, True)
-            phk, _ = _features(k[:, b0:b1], w, wk, c, scale, False)
-            fq, fk = _chunks(phq, C), _chunks(phk, C)  # unrotated, (BH*nc, C, m)
-            zx, z = _excl_cumsum(fk.sum(1).view(BH, nc, m), z)
-            dn = (fq @ zx.view(-1, m, 1)).squeeze(-1).add_(torch.bmm(fq, fk.transpose(1, 2)).tril_().sum(-1))
-            if rot is not None:
-                phq, phk = _rotate(phq, rot[b0:b1]), _rotate(phk, rot[b0:b1])
-            rq, rk, vb = _chunks(phq, C), _chunks(phk, C), _chunks(v[:, b0:b1], C)
-            Sx, S = _excl_cumsum(torch.bmm(rk.transpose(1, 2), vb).view(BH, nc, m, e), S)
-            num = torch.bmm(rq, Sx.view(-1, m, e)).baddbmm_(torch.bmm(rq, rk.transpose(1, 2)).tril_(), vb)
-            den[:, b0:b1] = dn.view(BH, -1)
-            out[:, b0:b1] = num.view(BH, -1, e) / dn.view(BH, -1, 1)
-        ctx.save_for_backward(q, k, v, w, wk, c, rot, out, den, torch.stack(S0), torch.stack(z0))
+            rb = None if rot is None else rot[b0:b1]
+            out[:, b0:b1], den[:, b0:b1], S, z = fwd(q[:, b0:b1], k[:, b0:b1], v[:, b0:b1], w, wq, wk, scale, rb, S, z, C)
+        ctx.save_for_backward(q, k, v, w, wq, wk, rot, out, den, torch.stack(S0), torch.stack(z0))
         ctx.scale, ctx.C, ctx.T = scale, C, T
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, w, wk, c, rot, out, den, S0, z0 = ctx.saved_tensors
+        q, k, v, w, wq, wk, rot, out, den, S0, z0 = ctx.saved_tensors
         scale, C, T = ctx.scale, ctx.C, ctx.T
         BH, N, e = v.shape
         m = w.shape[0]
+        bwd = _compiled.get("backward", _block_backward)
         g = g.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        G = v.new_zeros(BH, m, e)  # sum over later tokens of rq_n dnum_n^T
-        Zq = v.new_zeros(BH, m)  # sum over later tokens of dden_n phi(q_n)
+        G, Zq = v.new_zeros(BH, m, e), v.new_zeros(BH, m)  # suffix sums after the block
         for i, b0 in reversed(list(enumerate(range(0, N, T)))):
             b1 = min(b0 + T, N)
-            nc = (b1 - b0) // C
-            gb, dn = g[:, b0:b1], den[:, b0:b1]
-            dnum = gb / dn.unsqueeze(-1)  # (BH, t, e)
-            dden = (gb * out[:, b0:b1]).sum(-1).div_(dn).neg_()  # (BH, t)
-            phq, _ = _features(q[:, b0:b1], w, wk, c, scale, True)
-            phk, xks = _features(k[:, b0:b1], w, wk, c, scale, False)
-            fq, fk = _chunks(phq, C), _chunks(phk, C)
-            # denominator den_n = phq_n . (z0 + sum_{j <= n} phk_j), chunked
-            Md = dden.view(-1, C, 1).expand(-1, C, C).tril()  # Md[n, j] = dden_n for j <= n
-            zx, _ = _excl_cumsum(fk.sum(1).view(BH, nc, m), z0[i])
-            Zc = torch.bmm(dden.view(-1, 1, C), fq).view(BH, nc, m)
-            Zx, Zq = _excl_suffix(Zc, Zq)
-            dfq = torch.bmm(Md, fk).addcmul_(dden.view(-1, C, 1), zx.view(-1, 1, m))
-            dfk = torch.bmm(Md.transpose(1, 2), fq).add_(Zx.view(-1, 1, m))
-            # numerator: chunked linear attention on the rotated features
-            if rot is not None:
-                rb = rot[b0:b1]
-                rq, rk = _chunks(_rotate(phq, rb), C), _chunks(_rotate(phk, rb), C)
-            else:
-                rq, rk = fq, fk
-            vb, dnb = _chunks(v[:, b0:b1], C), _chunks(dnum, C)
-            Sx, _ = _excl_cumsum(torch.bmm(rk.transpose(1, 2), vb).view(BH, nc, m, e), S0[i])
-            Gx, G = _excl_suffix(torch.bmm(rq.transpose(1, 2), dnb).view(BH, nc, m, e), G)
-            Sx, Gx = Sx.view(-1, m, e), Gx.view(-1, m, e)
-            P = torch.bmm(dnb, vb.transpose(1, 2)).tril_()  # P[n, j] = dnum_n . v_j, j <= n
-            A = torch.bmm(rq, rk.transpose(1, 2)).tril_()
-            drq = torch.bmm(dnb, Sx.transpose(1, 2)).baddbmm_(P, rk)
-            drk = torch.bmm(vb, Gx.transpose(1, 2)).baddbmm_(P.transpose(1, 2), rq)
-            dv[:, b0:b1] = torch.bmm(rk, Gx).baddbmm_(A.transpose(1, 2), dnb).view(BH, -1, e)
-            if rot is not None:
-                rb = rot[b0:b1].conj()
-                drq, drk = _rotate(drq.view(BH, -1, m), rb), _rotate(drk.view(BH, -1, m), rb)
-            # phi = exp(a), so da = dphi * phi; then back through the projection GEMM
-            da = dfq.view(BH, -1, m).add_(drq.view(BH, -1, m)).mul_(phq)
-            dq[:, b0:b1] = (da @ w).mul_(scale)
-            db = dfk.view(BH, -1, m).add_(drk.view(BH, -1, m)).mul_(phk)
-            dk[:, b0:b1] = (db @ w).sub_(xks * db.sum(-1, keepdim=True)).mul_(scale)
+            sl = slice(b0, b1)
+            rb = None if rot is None else rot[sl]
+            dq[:, sl], dk[:, sl], dv[:, sl], G, Zq = bwd(
+                q[:, sl], k[:, sl], v[:, sl], g[:, sl], out[:, sl], den[:, sl], w, wq, wk, scale, rb, S0[i], z0[i], G, Zq, C
+            )
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -202,10 +246,11 @@ def favor_rotary_attention(
     q, k, v = (torch.nn.functional.pad(t.to(cdt), (0, 0, 0, pad)).reshape(B * H, N + pad, -1).contiguous() for t in (q, k, v))
     w = projection.to(cdt)
     c = pair_shift(w)
-    wk = torch.cat((w, torch.ones_like(w[:, :1])), dim=1)  # (m, d + 1)
+    one = torch.ones_like(c[:, None])
+    wq, wk = torch.cat((w, c[:, None]), dim=1), torch.cat((w, one, -c[:, None]), dim=1)  # (m, d+1), (m, d+2)
     rot = None
     if rotary:
         cos, sin = rotary_tables(N + pad, m, offset=offset, base=base, dtype=cdt, device=q.device)
         rot = torch.complex(cos, sin)  # (N, m/2)
-    out = _FavorRotaryCausal.apply(q, k, v, w, wk, c, d**-0.25, rot, C, T)
+    out = _FavorRotaryCausal.apply(q, k, v, w, wq, wk, d**-0.25, rot, C, T)
     return out.view(B, H, N + pad, e)[:, :, :N].to(out_dtype)
