@@ -1,0 +1,103 @@
+"""The CLIs as processes: bad input exits 2 with one clear line on stderr, never a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from linear_rope import train
+from linear_rope.model import ModelConfig
+from linear_rope.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, "-m", "linear_rope.train"]
+SHIM = [sys.executable, str(ROOT / "train_enwik8.py")]
+SAMPLE = [sys.executable, "-m", "linear_rope.sample"]
+
+# name -> (command, expected exit code, text expected in the error line, argparse error?)
+CASES = {
+    "unknown-variant": (TRAIN + ["--variants", "rope,bogus"], 2, "unknown variant 'bogus'", False),
+    "bad-preset": (TRAIN + ["--preset", "huge"], 2, "invalid choice: 'huge'", True),
+    "missing-data": (TRAIN + ["--data", "{tmp}/nope.txt"], 2, "data file not found", False),
+    "zero-steps": (TRAIN + ["--steps", "0"], 2, "steps must be >= 1", False),
+    "shim-variant": (SHIM + ["--variants", "alibi"], 2, "train_enwik8.py: error: unknown variant", False),
+    "sample-missing": (SAMPLE + ["{tmp}/nope.pt", "--prompt", "x"], 2, "checkpoint not found", False),
+    "help": (TRAIN + ["--help"], 0, None, False),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Start every case at once, then collect: each process spends seconds importing torch, so
+    only these few run as processes and the other bad inputs are checked in-process below."""
+    tmp = tmp_path_factory.mktemp("cli")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for name, (cmd, *_) in CASES.items():
+        cmd = [c.replace("{tmp}", str(tmp)) for c in cmd]
+        if cmd[:3] == TRAIN or cmd[:2] == SHIM:  # never write into the repository
+            cmd += ["--out", str(tmp / name / "runs"), "--data-dir", str(tmp / name / "data")]
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return {name: (p.wait(timeout=120), *p.communicate()) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "help"])
+def test_bad_input_exits_2_with_one_line(results, name):
+    _, code, text, argparse_error = CASES[name]
+    rc, out, err = results[name]
+    assert rc == code, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    if argparse_error:  # argparse prints its usage first
+        assert lines[0].startswith("usage:")
+        lines = [ln for ln in lines if not ln.startswith(" ") and not ln.startswith("usage:")]
+    assert len(lines) == 1, err
+    assert text in lines[0] and "error:" in lines[0]
+    assert out == ""
+
+
+def test_help_names_every_config_field(results):
+    rc, out, err = results["help"]
+    assert rc == 0, err
+    flags = {"--" + f.name.replace("_", "-") for f in fields(ModelConfig) + fields(TrainConfig)}
+    flags -= {"--position", "--seed"}  # set per run by --variants / --seeds
+    missing = sorted(f for f in flags | {"--variants", "--seeds", "--preset", "--resume"}
+                     if f not in out)
+    assert not missing
+    assert "ModelConfig.position" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--steps", "-3"], "steps must be >= 1"),
+    (["--batch-size", "0"], "batch_size must be >= 1"),
+    (["--eval-every", "-1"], "eval_every must be >= 0"),
+    (["--lr", "0"], "lr must be > 0"),
+    (["--dim", "0"], "dim must be >= 1"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["--seeds", "0,x"], "--seeds must be"),
+    (["--variants", ","], "--variants is empty"),
+    (["--nb-features", "15", "--variants", "rope"], "m must be even"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_more_bad_numbers_in_process(tmp_path, capsys, argv, text):
+    (tmp_path / "c.txt").write_bytes(b"abc " * 500)
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv + ["--preset", "tiny", "--data", str(tmp_path / "c.txt"),
+                           "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "runs")],
+                   prog="train_enwik8.py")
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_enwik8.py: error: ") and text in lines[0]
+
+
+@pytest.mark.parametrize("argv, text", [(["--lr", "fast"], "invalid float value: 'fast'"),
+                                        (["--nb-features", "x"], "invalid int value: 'x'")])
+def test_argparse_type_errors_in_process(capsys, argv, text):
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    assert text in capsys.readouterr().err

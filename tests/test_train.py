@@ -1,0 +1,225 @@
+"""End-to-end tests of linear_rope.train: runs, TensorBoard tags, checkpoints, resume, seeding."""
+from __future__ import annotations
+
+import bz2
+import contextlib
+import io
+import json
+import math
+import re
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from linear_rope import data, sample, train
+from linear_rope.model import MODEL_PRESETS, ModelConfig
+
+SAMPLE = Path(__file__).resolve().parents[2] / "shared/data/enwiki-sample.xml.bz2"
+TAGS = {"train/loss", "train/bpc", "val/bpc", "lr", "perf/tokens_per_sec", "grad/norm", "test/bpc"}
+
+
+def run_main(argv: list[str]) -> str:
+    """train.main in-process; returns its stdout."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert train.main(argv) == 0
+    return buf.getvalue()
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    ea = EventAccumulator(str(run_dir))
+    ea.Reload()
+    return {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads fight other jobs (~5x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """64 KB cut from the shared sample (val and test: 3.2 KB each), or synthetic text without it."""
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    if SAMPLE.is_file():
+        with bz2.open(SAMPLE, "rb") as f:
+            path.write_bytes(f.read(1 << 16))
+    else:
+        g = torch.Generator().manual_seed(0)
+        words = [b"the", b"of", b"rotary", b"linear", b"attention", b"\xc3\xa9t\xc3\xa9", b"\n"]
+        idx = torch.randint(len(words), (12_000,), generator=g).tolist()
+        path.write_bytes(b" ".join(words[i] for i in idx))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory, small_corpus):
+    """The tiny two-variant ablation: rope,none x seed 0, 4 steps, val every 2."""
+    root = tmp_path_factory.mktemp("ablation")
+    out = root / "runs"
+    stdout = run_main(["--preset", "tiny", "--variants", "rope,none", "--steps", "4",
+                       "--eval-every", "2", "--data", str(small_corpus),
+                       "--data-dir", str(root / "data"), "--out", str(out)])
+    return out, stdout
+
+
+def test_every_tag_in_both_runs_at_the_same_steps(ablation):
+    out, _ = ablation
+    rope, none = scalars(out / "rope-seed0"), scalars(out / "none-seed0")
+    assert TAGS <= set(rope) and set(rope) == set(none)
+    for tag in rope:
+        assert [s for s, _ in rope[tag]] == [s for s, _ in none[tag]], tag
+    assert [s for s, _ in rope["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in rope["val/bpc"]] == [2, 4]
+    assert [s for s, _ in rope["test/bpc"]] == [4]
+    for tag in ("train/bpc", "val/bpc", "test/bpc"):
+        assert all(0 < v < 9 for _, v in rope[tag] + none[tag]), tag
+    loss, bpc = rope["train/loss"][-1][1], rope["train/bpc"][-1][1]
+    assert bpc == pytest.approx(loss / math.log(2), rel=1e-5)
+
+
+def test_summary_table_and_custom_scalars_layout(ablation):
+    out, stdout = ablation
+    lines = stdout.strip().splitlines()
+    assert lines[-1] == f"tensorboard --logdir {out}"
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
+    assert set(rows) == {"rope-seed0", "none-seed0"}
+    for step, val, test in rows.values():
+        assert step == "4" and 0 < float(val) < 9 and 0 < float(test) < 9
+    ea = EventAccumulator(str(out))
+    ea.Reload()
+    proto = ea.Tensors("custom_scalars__config__")[0].tensor_proto
+    layout = layout_pb2.Layout.FromString(proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    # Multiline charts regex over tags; TensorBoard overlays every run that has a match.
+    for tag in ("val/bpc", "train/bpc"):
+        (chart,) = [regexes for title, regexes in charts.items() if title.startswith(tag)]
+        assert any(re.fullmatch(r, tag) for r in chart)
+        assert not any(re.search(r, "test/bpc") for r in chart)
+
+
+def test_checkpoint_loads_weights_only_and_samples(ablation, capsys):
+    out, _ = ablation
+    path = out / "rope-seed0" / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=True)
+    assert set(ckpt) >= {"model", "optimizer", "step", "rng", "config", "metrics"}
+    assert ckpt["step"] == 4
+    assert ckpt["rng"]["torch"].dtype == torch.uint8
+    assert ckpt["rng"]["features"].dtype == torch.uint8
+    assert [s.dtype for s in ckpt["rng"]["data"]] == [torch.uint8]
+    assert ckpt["config"]["model"] == asdict(ModelConfig(**MODEL_PRESETS["tiny"]))
+    assert ckpt["config"]["train"]["lr"] == train.TRAIN_PRESETS["tiny"]["lr"]
+    assert json.loads((out / "rope-seed0" / "config.json").read_text()) == ckpt["config"]
+    assert not list(path.parent.glob("*.tmp"))
+
+    assert sample.main([str(path), "--prompt", "The ", "--max-new-tokens", "16", "--top-k", "5"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("The ") and len(text) > len("The ")
+
+
+def test_build_run_shares_init_projections_and_data_across_variants():
+    cfg = ModelConfig(**MODEL_PRESETS["tiny"])
+    built = {v: train.build_run(replace(cfg, position=v), seed=3) for v in ("rope", "none", "rope_pre",
+                                                                             "absolute")}
+    ref_model, ref_data, ref_feat = built["rope"]
+    ref_state = {k: t.clone() for k, t in ref_model.state_dict().items()}
+    ref_batches = [data.get_batch(bytes(range(256)) * 4, 4, 32, ref_data) for _ in range(3)]
+    ref_model.redraw_features(ref_feat)  # a redraw is shared too
+    for v, (model, data_gen, feat_gen) in list(built.items())[1:]:
+        state = model.state_dict()
+        assert set(ref_state) <= set(state), v  # absolute adds pos_emb only
+        for k, t in ref_state.items():
+            torch.testing.assert_close(state[k], t, rtol=0, atol=0, msg=f"{v}: {k}")
+        for x_ref, x in zip(ref_batches, [data.get_batch(bytes(range(256)) * 4, 4, 32, data_gen)
+                                          for _ in range(3)]):
+            assert torch.equal(x_ref[0], x[0]) and torch.equal(x_ref[1], x[1])
+        model.redraw_features(feat_gen)
+        for f_ref, f in zip(ref_model.feature_modules, model.feature_modules):
+            assert torch.equal(f_ref.projection, f.projection)
+    other, _, _ = train.build_run(cfg, seed=4)
+    assert not torch.equal(other.tok_emb.weight, ref_model.tok_emb.weight)
+    # other DDP ranks: same weights, another data stream
+    _, gen_rank1, _ = train.build_run(cfg, seed=3, rank=1)
+    assert not torch.equal(torch.randint(10**6, (8,), generator=gen_rank1),
+                           torch.randint(10**6, (8,), generator=train.build_run(cfg, seed=3)[1]))
+
+
+def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
+    tc = train.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
+    assert train.lr_at(0, tc) == pytest.approx(0.1)
+    assert train.lr_at(9, tc) == pytest.approx(1.0)
+    assert train.lr_at(10, tc) == pytest.approx(1.0)
+    assert train.lr_at(60, tc) == pytest.approx(0.55)
+    assert train.lr_at(110, tc) == pytest.approx(0.1)
+    lrs = [train.lr_at(s, tc) for s in range(10, 200)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])) and min(lrs) == pytest.approx(0.1)
+    fixed = replace(tc, decay_steps=50)
+    assert train.lr_at(50, fixed) == train.lr_at(500, fixed) == pytest.approx(0.1)
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path, small_corpus, capsys):
+    # redraw every 3 steps: one redraw before the split at step 4, one after it
+    common = ["--preset", "tiny", "--variants", "rope", "--decay-steps", "8", "--eval-every", "0",
+              "--feature-redraw-interval", "3", "--data", str(small_corpus),
+              "--data-dir", str(tmp_path / "data")]
+    run_main([*common, "--steps", "8", "--out", str(tmp_path / "straight")])
+    run_main([*common, "--steps", "4", "--out", str(tmp_path / "split")])
+    # TensorBoard orders event files by their name, which starts with the time in whole seconds:
+    # a resume within the same second could sort first. A real restart is never that quick.
+    time.sleep(1.05)
+    run_main([*common, "--steps", "8", "--out", str(tmp_path / "split"), "--resume"])
+    a = torch.load(tmp_path / "straight/rope-seed0/checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "split/rope-seed0/checkpoint.pt", weights_only=True)
+    assert a["step"] == b["step"] == 8
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=0, atol=1e-6, msg=k)
+    assert torch.equal(a["rng"]["data"][0], b["rng"]["data"][0])
+    assert torch.equal(a["rng"]["features"], b["rng"]["features"])
+    steps = [s for s, _ in scalars(tmp_path / "split/rope-seed0")["train/loss"]]
+    assert steps == list(range(1, 9))
+    capsys.readouterr()
+
+    # a second run into the same dir without --resume refuses, and writes nothing
+    with pytest.raises(SystemExit) as exc:
+        train.main([*common, "--steps", "8", "--out", str(tmp_path / "split")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--resume" in err
+    assert torch.load(tmp_path / "split/rope-seed0/checkpoint.pt", weights_only=True)["step"] == 8
+
+    # --resume of a finished run skips it, and still reports it
+    out = run_main([*common, "--steps", "8", "--out", str(tmp_path / "split"), "--resume"])
+    assert "already done" in capsys.readouterr().err
+    assert "rope-seed0" in out
+
+    # --resume with a changed trajectory setting is refused
+    with pytest.raises(SystemExit) as exc:
+        train.main([*common, "--steps", "9", "--lr", "0.5", "--out", str(tmp_path / "split"),
+                    "--resume"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "lr" in err
+
+
+@pytest.mark.skipif(not SAMPLE.is_file(), reason=f"shared sample not found at {SAMPLE}")
+def test_on_the_shared_sample(tmp_path):
+    """One real run on the shared Wikipedia sample: full-split val and test BPC (304 KB each)."""
+    stdout = run_main(["--preset", "tiny", "--variants", "rope", "--steps", "2",
+                       "--eval-every", "0", "--eval-batch-size", "1024", "--data", str(SAMPLE),
+                       "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "runs")])
+    splits = data.prepare_corpus(SAMPLE, tmp_path / "data")
+    assert splits["valid"].stat().st_size == 304_487
+    ckpt = torch.load(tmp_path / "runs/rope-seed0/checkpoint.pt", weights_only=True)
+    val, test = ckpt["metrics"]["val_bpc"], ckpt["metrics"]["test_bpc"]
+    assert 7 < val < 8.5 and 7 < test < 8.5  # ~log2(256) = 8 after 2 steps
+    assert f"{val:8.4f}" in stdout
