@@ -243,7 +243,13 @@ def favor_rotary_attention(
     C = min(chunk_size, N)
     T = max(C, block_size // C * C)
     pad = (-N) % C  # trailing zero tokens only affect their own (dropped) outputs
-    q, k, v = (torch.nn.functional.pad(t.to(cdt), (0, 0, 0, pad)).reshape(B * H, N + pad, -1).contiguous() for t in (q, k, v))
+    def flat(t):  # (B*H, N+pad, .), contiguous; a copy only where a cast, pad or layout needs one
+        t = t.to(cdt)
+        if pad:
+            t = torch.nn.functional.pad(t, (0, 0, 0, pad))
+        return t.reshape(B * H, N + pad, -1).contiguous()
+
+    q, k, v = flat(q), flat(k), flat(v)
     w = projection.to(cdt)
     c = pair_shift(w)
     one = torch.ones_like(c[:, None])

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of linear_rope against its anchors; see benchmarks/run.py."""

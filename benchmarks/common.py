@@ -1,0 +1,286 @@
+"""Shared helpers: the "ours" callable, interleaved timing, GEMM peak, tables, JSON, machine info.
+
+Every benchmark module has ``main(quick=False, out_dir=None) -> dict``. It prints its table,
+writes ``<out_dir>/<name>.json`` (default ``benchmarks/results``) and returns a result dict
+that ``benchmarks.run`` renders into BENCHMARKS.md::
+
+    name, quick, config   what ran (sizes, rounds, model dims)
+    table                 {"headers": [...], "rows": [[...], ...]}, cells already formatted
+    targets               [{"name", "value", "op", "threshold", "pass"}]
+    notes                 [str], e.g. why a configuration was skipped
+    ...                   the raw numbers, benchmark-specific
+
+Timings are medians over interleaved rounds in one process (``interleaved``): the machine is
+shared, so only ratios between implementations timed side by side mean much.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from linear_rope import FavorFeatures
+from linear_rope.favor_attention import CHUNK, favor_rotary_attention
+
+THREADS = 2  # the machine's 2 cores; quick mode uses 1, see ``setup``
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+def setup(quick: bool = False, seed: int = 0) -> None:
+    """Threads and seed. Quick mode (smoke tests) runs on 1 thread: on a busy 2-core machine,
+    2 OpenMP threads spin at every barrier waiting for a descheduled peer, which makes tiny ops
+    up to 50x slower, and the tests would crawl."""
+    torch.set_num_threads(1 if quick else THREADS)
+    torch.manual_seed(seed)
+
+
+# --- ours ------------------------------------------------------------------------------------
+
+def ours_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: FavorFeatures, rotary: bool) -> torch.Tensor:
+    """The single definition of "ours": causal Eq. 19 (``rotary``) or Eq. 18 over FAVOR+.
+
+    q, k, v: `[B, H, N, d]` head-dim queries, keys, values -> `[B, H, N, d]`, through the fused
+    ``linear_rope.favor_attention.favor_rotary_attention`` that ``RotaryLinearAttention`` uses.
+    """
+    return favor_rotary_attention(q, k, v, features.projection, rotary=rotary)
+
+
+def ours_path() -> str:
+    """Which code path ``ours_attention`` takes, for the record."""
+    return "linear_rope.favor_attention.favor_rotary_attention (fused)"
+
+
+def chunk_size() -> int:
+    """The chunk length C of ``ours_attention`` (for the FLOP count)."""
+    return CHUNK
+
+
+@contextlib.contextmanager
+def quiet():
+    """Swallow stdout: performer-pytorch prints a warning when it falls back to its CPU path."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+def time_call(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 1,
+    rounds: int | dict[str, int] = 5,
+    min_rounds: int = 1,
+    budget_s: float | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each fn, run round-robin: every round calls each fn once, starting
+    one place later each round, so slow drifts of the shared machine hit all of them alike.
+
+    ``rounds`` caps the rounds (per name with a dict; a name sits out once its cap is met).
+    After ``min_rounds``, no new round starts when it would likely end past ``budget_s``.
+    """
+    names = list(fns)
+    caps = rounds if isinstance(rounds, dict) else {n: rounds for n in names}
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    start, r = time.perf_counter(), 0
+    while r < max(caps.values()):
+        t_round = time.perf_counter()
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            if r < caps[n]:
+                times[n].append(time_call(fns[n]))
+        r += 1
+        now = time.perf_counter()
+        if budget_s is not None and r >= min_rounds and (now - start) + (now - t_round) > budget_s:
+            break
+    return times
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_peak(n: int = 2048, reps: int = 7) -> float:
+    """Measured fp32 GEMM rate, GFLOP/s: best of ``reps`` [n, n] @ [n, n] products on the
+    current thread count (call ``setup`` first). Cached, so one run measures it once."""
+    probe = gemm_probe(n, reps)
+    probe()
+    return probe.rates[0]
+
+
+def gemm_probe(n: int = 2048, reps: int = 3) -> Callable[[], None]:
+    """A call for ``interleaved`` rounds: each call appends to ``call.rates`` the best GFLOP/s
+    of ``reps`` fp32 [n, n] @ [n, n] products. Timed in the same rounds as a workload, it gives
+    the GEMM rate the machine offered *then*, the fair denominator of a fraction-of-peak on a
+    shared machine (a peak taken once, at another moment, can be off by 2x either way)."""
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    torch.mm(a, b, out=c)
+    rates: list[float] = []
+
+    def call():
+        best = min(time_call(lambda: torch.mm(a, b, out=c)) for _ in range(reps))
+        rates.append(2 * n**3 / best / 1e9)
+    call.rates = rates
+    return call
+
+
+def gemm_n(quick: bool = False) -> int:
+    """The GEMM size of every peak measurement: 2048 (512 in quick mode)."""
+    return 512 if quick else 2048
+
+
+def machine_peak(quick: bool = False) -> float:
+    """``gemm_peak`` at ``gemm_n``, measured once per process (for the record)."""
+    return gemm_peak(gemm_n(quick))
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+def peak_rss_mib() -> float:
+    """High-water resident set of this process, MiB: ``VmHWM`` of /proc/self/status on Linux.
+
+    Not ``ru_maxrss`` there: that is max(VmHWM, the signal's maxrss), and the latter inherits
+    the *parent's* peak across fork + exec (and keeps exited threads' peaks), so a child of a
+    big benchmark process would read the parent's peak. ``ru_maxrss`` elsewhere.
+    """
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS
+
+
+def reset_peak_rss() -> bool:
+    """Lower this process's high-water RSS (``VmHWM``) to its current RSS.
+
+    Linux >= 4.0 (``/proc/self/clear_refs``). Without it, the baseline already holds the
+    import-time peak, which hides any smaller peak of the op after it.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(module: str, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 900) -> dict:
+    """Run ``python -m <module> --one <args>`` in a fresh process (with ``env`` added to the
+    environment); its last stdout line is JSON.
+
+    Returns that dict, or ``{"error": ...}`` when the child fails (e.g. killed for memory).
+    """
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "--one", *args],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+# --- reporting -------------------------------------------------------------------------------
+
+def fmt(x, digits: int = 3) -> str:
+    """A number to `digits` significant figures (no exponent for ordinary sizes)."""
+    if x is None:
+        return "-"
+    if isinstance(x, (str, int)):
+        return str(x)
+    if x == 0 or not math.isfinite(x):
+        return str(x)
+    mag = math.floor(math.log10(abs(x)))
+    return f"{x:.{max(0, digits - 1 - mag)}f}"
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown pipe table, columns padded so it also reads as plain text."""
+    cells = [[str(h) for h in headers]] + [[fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+def target(name: str, value: float | None, op: str, threshold: float) -> dict:
+    """A target line: ``value <op> threshold`` with op "<=" or ">="; pass is None if unmeasured."""
+    ok = None
+    if value is not None and math.isfinite(value):
+        ok = value <= threshold if op == "<=" else value >= threshold
+    return {"name": name, "value": value, "op": op, "threshold": threshold, "pass": ok}
+
+
+def target_line(t: dict) -> str:
+    verdict = {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]
+    return f"{t['name']}: {fmt(t['value'])} (target {t['op']} {fmt(t['threshold'])}) {verdict}"
+
+
+def write_json(result: dict, out_dir: str | Path | None) -> Path:
+    """Write ``<out_dir>/<name>.json`` via a .tmp file, so a crash never leaves half a file."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result['name']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def report(result: dict, out_dir: str | Path | None) -> dict:
+    """Print the table, targets and notes, write the JSON; return the result."""
+    print(f"\n== {result['name']}{' (quick)' if result['quick'] else ''} ==")
+    print(format_table(result["table"]["headers"], result["table"]["rows"]))
+    for t in result["targets"]:
+        print(target_line(t))
+    for n in result.get("notes", []):
+        print(f"note: {n}")
+    print(f"wrote {write_json(result, out_dir)}")
+    return result
+
+
+def machine_info() -> dict:
+    cpu, mem_gib = "unknown", None
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal"))
+            mem_gib = round(kib / 2**20, 1)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }

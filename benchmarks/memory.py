@@ -1,0 +1,151 @@
+"""Peak memory of the attention op: each (impl, N, mode) in a fresh process.
+
+    python -m benchmarks.memory [--quick]
+    python -m benchmarks.memory --one --impl ours_rope --n 65536 --mode fwd+bwd   # one child
+
+Same op, shapes and skips as ``benchmarks.attention``. A child imports everything, builds the
+module and the inputs (q, k, v and an upstream gradient, `[1, 12, N, 64]` fp32 each), resets
+its high-water mark to its current resident set (``reset_peak_rss``, so import-time peaks do
+not mask the op) and reads it (``peak_rss_mib``): that is the baseline. It then runs the op once
+and reads the high-water mark again. The table gives the difference, MiB above baseline: the
+op's transient peak plus what outlives it (for fwd+bwd, the q, k, v gradients: 3 x N x 768 x
+4 B, 576 MiB at N = 64k).
+
+The high-water mark is Linux's VmHWM, the quantity ``ru_maxrss`` is meant to give: in a child
+``ru_maxrss`` also holds the parent's peak, inherited across fork + exec, which after the
+attention benchmark at N = 64k would hide every smaller peak.
+
+Children run with ``MALLOC_MMAP_THRESHOLD_`` = 1 MiB (``CHILD_ENV``): every allocation of 1 MiB
+or more is then its own mapping, returned to the system when freed, so the resident set follows
+the live tensors. With glibc's default, dynamic threshold, freed chunks of up to 32 MiB stay in
+the heap and fragment it: performer's many ~26 MiB per-chunk tensors then read anywhere from
+0.3 to 2.6 GiB for the same fwd at N = 4096, run to run. Tensors above 32 MiB (all of ours at
+large N) are mapped either way.
+
+Targets: ours_rope fwd+bwd at the largest N <= 2 GiB above baseline, and growth linear in N:
+the least-squares slope of log(MiB) against log(N) over N >= 4096 (``slope_min_n``) <= 1.15.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+from linear_rope import FavorFeatures
+
+from .attention import D, IMPLS, M, MODES, make_call, make_inputs, make_op, make_performer, skip_reason
+from .common import fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
+
+NAME = "memory"
+# skip: (impl, N, mode) -> reason, cuts on top of ``attention.skip_reason`` (e.g. for the 15-minute
+# budget); none now.
+FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1, skip={})
+# Quick: fwd+bwd, every impl at N = 64 and ours_rope also at 128 (for the slope), two children
+# at a time (a tiny child is mostly imports and first-call set-up).
+QUICK = dict(ns=(64, 128), slope_min_n=0, jobs=2, modes=("fwd+bwd",),
+             skip={(i, 128, "fwd+bwd"): "quick mode" for i in ("ours_none", "performer", "sdpa")})
+TARGET_MIB = 2048.0
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+TARGET_SLOPE = 1.15
+
+
+def measure_one(impl: str, n: int, mode: str, quick: bool = False) -> dict:
+    """Run in a fresh process: MiB of resident-set high water above the post-setup baseline."""
+    setup(quick)
+    features = FavorFeatures(D, M)
+    call = make_call(make_op(impl, features, make_performer() if impl == "performer" else None), mode, *make_inputs(n))
+    gc.collect()
+    reset = reset_peak_rss()
+    base = peak_rss_mib()
+    seconds = time_call(call)
+    peak = peak_rss_mib()
+    return {"impl": impl, "n": n, "mode": mode, "baseline_mib": base, "peak_mib": peak, "delta_mib": peak - base,
+            "seconds": seconds, "peak_reset": reset}
+
+
+def loglog_slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of log(y) on log(x): 1 for linear growth, 2 for quadratic."""
+    pts = [(math.log(x), math.log(y)) for x, y in points if y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def main(quick: bool = False, out_dir=None) -> dict:
+    cfg = QUICK if quick else FULL
+    modes = cfg.get("modes", MODES)
+    todo, skipped = [], {}
+    for impl in IMPLS:
+        for n in cfg["ns"]:
+            for mode in modes:
+                why = skip_reason(impl, mode, n) or cfg["skip"].get((impl, n, mode))
+                if why:
+                    skipped[f"{impl}/{mode}/{n}"] = why
+                else:
+                    todo.append((impl, n, mode))
+
+    def child(job):
+        impl, n, mode = job
+        res = run_child("benchmarks.memory", ["--impl", impl, "--n", str(n), "--mode", mode] + ["--quick"] * quick, CHILD_ENV)
+        msg = res.get("error") or f"{fmt(res['delta_mib'])} MiB in {fmt(res['seconds'])} s"
+        print(f"{impl} N={n} {mode}: {msg}", flush=True)
+        return f"{impl}/{mode}/{n}", res
+
+    with ThreadPoolExecutor(max_workers=cfg["jobs"]) as pool:
+        children = dict(pool.map(child, todo))
+    mib = {k: r.get("delta_mib") for k, r in children.items()}
+    rows = []
+    for n in cfg["ns"]:
+        for mode in modes:
+            cells = [n, mode]
+            for impl in IMPLS:
+                key = f"{impl}/{mode}/{n}"
+                if key in skipped:
+                    cells.append(f"skipped ({skipped[key]})")
+                elif "error" in children[key]:
+                    cells.append(f"failed ({children[key]['error'][:60]})")
+                else:
+                    cells.append(mib[key])
+            rows.append(cells)
+    big = max(cfg["ns"])
+    ours = [(n, mib.get(f"ours_rope/fwd+bwd/{n}")) for n in cfg["ns"] if n >= cfg["slope_min_n"]]
+    slope = loglog_slope([(n, y) for n, y in ours if y is not None])
+    result = {
+        "name": NAME,
+        "quick": quick,
+        "config": {"ns": list(cfg["ns"]), "modes": list(modes), "impls": list(IMPLS), "slope_min_n": cfg["slope_min_n"]},
+        "mib_above_baseline": mib,
+        "children": children,
+        "skipped": skipped,
+        "ours_rope_growth_slope": slope,
+        "table": {"headers": ["N", "mode", *[f"{i} MiB" for i in IMPLS]], "rows": rows},
+        "targets": [
+            target(f"ours_rope fwd+bwd MiB above baseline, N={big}", mib.get(f"ours_rope/fwd+bwd/{big}"), "<=", TARGET_MIB),
+            target(f"ours_rope fwd+bwd growth, log-log slope over N>={cfg['slope_min_n']}", slope, "<=", TARGET_SLOPE),
+        ],
+        "notes": [
+            "MiB of high-water RSS (VmHWM) above the baseline taken after imports and input creation, one "
+            "fresh process per cell, with MALLOC_MMAP_THRESHOLD_=1MiB so that RSS follows live tensors; "
+            "fwd+bwd includes the q, k, v gradients that outlive the op.",
+        ],
+    }
+    return report(result, out_dir)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests (with --one: 1 thread)")
+    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
+    p.add_argument("--one", action="store_true", help="child mode: measure one configuration, print JSON")
+    p.add_argument("--impl", choices=IMPLS, help="with --one: the implementation")
+    p.add_argument("--n", type=int, help="with --one: the sequence length")
+    p.add_argument("--mode", choices=MODES, help="with --one: fwd or fwd+bwd")
+    a = p.parse_args()
+    if a.one:
+        print(json.dumps(measure_one(a.impl, a.n, a.mode, a.quick)))
+    else:
+        main(a.quick, a.out_dir)

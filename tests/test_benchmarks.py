@@ -1,0 +1,123 @@
+"""Smoke tests for benchmarks/: every benchmark runs at tiny sizes and returns sane numbers.
+
+No timing asserts (speed lives in the benchmarks themselves). Outputs go to a temporary
+directory, never to benchmarks/results or BENCHMARKS.md.
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the repo root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+from benchmarks import run as bench_run  # noqa: E402
+from benchmarks.attention import ours_flops  # noqa: E402
+from benchmarks.memory import loglog_slope  # noqa: E402
+from linear_rope import FavorFeatures, rotary_linear_attention  # noqa: E402
+
+NAMES = list(bench_run.BENCHMARKS)
+
+
+def _snapshot():
+    """mtime of every file run.py writes by default, so we can check none was touched."""
+    paths = [ROOT / "BENCHMARKS.md", *common.RESULTS_DIR.rglob("*")]
+    return {p: p.stat().st_mtime_ns for p in paths if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    before = _snapshot()
+    results = bench_run.main(["--quick", "--out-dir", str(out), "--md", str(out / "BENCHMARKS.md")])
+    assert _snapshot() == before, "a quick run wrote into the repository"
+    return out, results
+
+
+def _numbers(x):
+    """Every float/int leaf of a nested result (bools and strings excluded)."""
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _numbers(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _numbers(v)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield x
+
+
+def test_run_writes_json_and_markdown(quick):
+    out, results = quick
+    assert list(results) == NAMES
+    for name in NAMES:
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["name"] == name and data["quick"] is True
+    md = (out / "BENCHMARKS.md").read_text()
+    assert "## Targets" in md and "python -m benchmarks.run --quick" in md
+    assert all(f"## {name}:" in md for name in NAMES)
+    assert ("PASS" in md) or ("MISS" in md)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_result_shape(quick, name):
+    r = quick[1][name]
+    for key in ("name", "quick", "config", "table", "targets", "notes"):
+        assert key in r, key
+    headers, rows = r["table"]["headers"], r["table"]["rows"]
+    assert rows and all(len(row) == len(headers) for row in rows)
+    for t in r["targets"]:
+        assert set(t) == {"name", "value", "op", "threshold", "pass"}
+    assert all(math.isfinite(v) and v >= 0 for v in _numbers(r)), "negative or non-finite number"
+
+
+def test_attention_numbers(quick):
+    r = quick[1]["attention"]
+    for impl in ("ours_rope", "ours_none", "performer", "sdpa"):
+        for mode in ("fwd", "fwd+bwd"):
+            assert all(ms > 0 for ms in r["ms"][impl][mode].values()), (impl, mode)
+    f = r["flops"]
+    assert f["gflop_fwd_bwd"] > 0 and f["gflop_per_s"] > 0 and f["gemm_gflop_per_s_same_rounds"] > 0
+
+
+def test_memory_numbers(quick):
+    r = quick[1]["memory"]
+    assert r["children"] and not [k for k, c in r["children"].items() if "error" in c]
+    # ru_maxrss can stay flat for a tiny op (pages the allocator already holds): >= 0, not > 0.
+    assert all(c["delta_mib"] >= 0 and c["baseline_mib"] > 0 for c in r["children"].values())
+
+
+def test_generation_numbers(quick):
+    r = quick[1]["generation"]
+    assert all(ms > 0 for ms in r["ms_per_token"].values())
+    assert r["ratio_ours_longest_over_shortest"] > 0 and r["ratio_performer_over_ours"] > 0
+
+
+def test_lm_training_numbers(quick):
+    r = quick[1]["lm_training"]
+    assert all(v > 0 for v in r["tokens_per_s"].values())
+    assert r["mfu"]["ours"] > 0 and r["model_gflop_per_token"] > 0
+
+
+def test_ours_attention_is_features_then_eq19():
+    """The one-line switch to a fused op must not change the maths (float64, N odd)."""
+    torch.manual_seed(0)
+    feats = FavorFeatures(8, 16).double()
+    q, k, v = (torch.randn(1, 2, 37, 8, dtype=torch.float64) for _ in range(3))
+    for rotary in (True, False):
+        want = rotary_linear_attention(feats(q, is_query=True), feats(k, is_query=False), v, causal=True, rotary=rotary)
+        torch.testing.assert_close(common.ours_attention(q, k, v, feats, rotary), want, rtol=1e-10, atol=1e-12)
+
+
+def test_flop_formula_and_slope():
+    # chunk = 64: one chunk at N = 64, so the count is exactly the per-chunk formula.
+    per_head = 4 * 64 * 64 * 266 + (2 * 64 * 64 * 266 + 2 * 64 * 64 * 64 + 4 * 64 * 266 * 64) + 2 * 64 * 266
+    assert ours_flops(64, chunk=64, backward=False) == per_head * 12
+    assert ours_flops(4096, chunk=64) == pytest.approx(64 * ours_flops(64, chunk=64), rel=1e-12)
+    assert loglog_slope([(1, 3.0), (2, 6.0), (4, 12.0)]) == pytest.approx(1.0)
+    assert loglog_slope([(1, 1.0), (2, 4.0)]) == pytest.approx(2.0)
+    assert loglog_slope([(1, 0.0), (2, 4.0)]) is None
