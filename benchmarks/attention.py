@@ -37,7 +37,6 @@ work is what the ratio to the GEMM rate should judge.
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from linear_rope import FavorFeatures
 
 from .common import (
+    cli,
     chunk_size, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, ours_attention, ours_path, quiet,
     report, setup,
 )
@@ -207,8 +207,4 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir)
+    cli(main, __doc__)

@@ -19,14 +19,13 @@ performer / ours at the reference context (1024) >= 50.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from linear_rope.model import ModelConfig, PerformerLM
 
-from .common import fmt, interleaved, median, quiet, report, setup, target
+from .common import cli, fmt, interleaved, median, quiet, report, setup, target
 
 NAME = "generation"
 FULL = dict(
@@ -117,8 +116,4 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir)
+    cli(main, __doc__)

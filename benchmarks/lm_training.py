@@ -24,7 +24,6 @@ Targets: ours >= 2x performer tokens/s; ours MFU >= 40%.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from linear_rope.model import ModelConfig, PerformerLM
 
 from .attention import ours_flops
-from .common import fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, quiet, report, setup, target
+from .common import cli, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, quiet, report, setup, target
 
 NAME = "lm_training"
 FULL = dict(model=dict(dim=768, depth=2, heads=12, dim_head=64, nb_features=266), seq=1024, batch=1,
@@ -119,8 +118,4 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir)
+    cli(main, __doc__)
