@@ -56,7 +56,7 @@ IMPLS = ("ours_rope", "ours_none", "performer", "sdpa")
 MODES = ("fwd", "fwd+bwd")
 # warmup_n: one warmup call of every impl and mode at this N before the first round.
 # skip: (impl, N) -> reason, cuts on top of ``skip_reason`` (e.g. for the 15-minute budget); none now.
-FULL = dict(ns=(1024, 2048, 4096, 16384, 65536), flop_n=4096, warmup_n=256, budget_s=45.0, max_rounds=5, skip={})
+FULL = dict(ns=(1024, 2048, 4096, 16384, 65536), flop_n=4096, warmup_n=256, budget_s=80.0, max_rounds=7, skip={})
 QUICK = dict(ns=(64, 128), flop_n=128, warmup_n=32, budget_s=3.0, max_rounds=1, skip={})
 PERFORMER_MAX_N = 4096  # its CPU path keeps an [N, m, d] prefix-sum tensor for backward
 SDPA_MAX_N = 16384  # exact attention is O(N^2) work

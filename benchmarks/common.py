@@ -41,12 +41,34 @@ REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
 
-def setup(quick: bool = False, seed: int = 0) -> None:
-    """Threads and seed. Quick mode (smoke tests) runs on 1 thread: on a busy 2-core machine,
+def setup(quick: bool = False, seed: int = 0, steady: bool = True) -> None:
+    """Threads, seed and (for timing, ``steady``) the allocator. Quick mode (smoke tests) runs on 1 thread: on a busy 2-core machine,
     2 OpenMP threads spin at every barrier waiting for a descheduled peer, which makes tiny ops
     up to 50x slower, and the tests would crawl."""
     torch.set_num_threads(1 if quick else THREADS)
     torch.manual_seed(seed)
+    if steady:
+        steady_allocator()
+
+
+def steady_allocator() -> bool:
+    """Keep freed memory in glibc's heap (no trimming, no per-tensor mmap) for the timed runs.
+
+    Without this, an implementation that frees gigabytes (performer-pytorch) makes glibc give
+    the memory back to the OS, and whichever call comes next pays page faults on fresh memory:
+    measured here, ours at N=1024 fwd+bwd took 178 ms right after a performer call and 98 ms
+    otherwise. With one steady allocator every implementation is timed in the same conditions
+    (performer's own call also dropped from about 1.4 s to 1.0 s). Memory figures are measured
+    in separate processes with their own allocator settings (``benchmarks.memory``).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(M_MMAP_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):  # not glibc: leave the allocator alone
+        return False
 
 
 # --- ours ------------------------------------------------------------------------------------

@@ -2,11 +2,10 @@
 
 performer-pytorch's causal FAVOR+ subtracts a key max taken over the whole sequence, so future
 keys change past outputs. Ours uses a data-independent key shift (see linear_rope.features).
-Same random inputs, same projection, for both. Run: python -m benchmarks.leak [--quick]
+Same random inputs, same projection, for both. Run: python -m benchmarks.leak [--quick]. Strictly causal means no change at all.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import warnings
 
@@ -14,6 +13,10 @@ import torch
 
 from linear_rope import FavorFeatures
 from linear_rope.favor_attention import favor_rotary_attention
+
+from .common import cli, fmt, report, target
+
+NAME = "leak"
 
 
 def measure(trials: int = 20, N: int = 1024, t: int = 400, d: int = 64, m: int = 266, heads: int = 4) -> dict:
@@ -46,18 +49,21 @@ def measure(trials: int = 20, N: int = 1024, t: int = 400, d: int = 64, m: int =
     }
 
 
-def main(quick: bool = False) -> dict:
+def main(quick: bool = False, out_dir=None) -> dict:
     res = measure(trials=3, N=128, t=50, heads=1) if quick else measure()
     s = res["setup"]
-    print(f"keys at positions >= {s['t']} replaced; change of outputs at positions < {s['t']} "
-          f"(N={s['N']}, d={s['d']}, m={s['m']}, {s['trials']} trials, float64)")
-    for name in ("performer_pytorch", "ours"):
-        r = res[name]
-        print(f"  {name:18s} abs max {r['abs']['max']:.3g}  rel median {r['rel']['median']:.3g}  rel max {r['rel']['max']:.3g}")
-    return res
+    rows = [[name, fmt(r["abs"]["max"]), fmt(r["rel"]["median"]), fmt(r["rel"]["max"])]
+            for name, r in (("performer", res["performer_pytorch"]), ("ours", res["ours"]))]
+    result = {
+        "name": NAME, "quick": quick, "config": s, **res,
+        "table": {"headers": ["impl", "abs change, max", "rel change, median", "rel change, max"], "rows": rows},
+        "targets": [target("ours: max change of past outputs when only future keys change", res["ours"]["abs"]["max"], "<=", 1e-12)],
+        "notes": [f"keys at positions >= {s['t']} replaced; change of the outputs at positions < {s['t']} "
+                  f"(N={s['N']}, d={s['d']}, m={s['m']}, {s['heads']} heads, {s['trials']} trials, float64, same "
+                  "projection); rel = per-position max change / that position's max |output|."],
+    }
+    return report(result, out_dir)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    main(p.parse_args().quick)
+    cli(main, __doc__)

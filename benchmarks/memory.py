@@ -53,7 +53,7 @@ TARGET_SLOPE = 1.15
 
 def measure_one(impl: str, n: int, mode: str, quick: bool = False) -> dict:
     """Run in a fresh process: MiB of resident-set high water above the post-setup baseline."""
-    setup(quick)
+    setup(quick, steady=False)  # keep CHILD_ENV's allocator: the peak should follow live tensors
     features = FavorFeatures(D, M)
     call = make_call(make_op(impl, features, make_performer() if impl == "performer" else None), mode, *make_inputs(n))
     gc.collect()

@@ -75,10 +75,13 @@ def _chunks(t, C):
 
 
 def _excl_cumsum(x, start):
-    """x `[BH, nc, ...]`: prefix sums before each chunk, starting from ``start``; and the total."""
-    inc = x.cumsum(1)
-    total = inc[:, -1] + start
-    return inc.sub_(x).add_(start.unsqueeze(1)), total
+    """x `[BH, nc, ...]`: prefix sums before each chunk, starting from ``start``; and the total.
+
+    Built by shifting an inclusive sum, never as ``inclusive - x``: the subtraction would let
+    round-off of a chunk's later tokens reach its earlier ones (about 1e-15 in float64).
+    """
+    inc = x.cumsum(1).add_(start.unsqueeze(1))
+    return torch.cat((start.unsqueeze(1), inc[:, :-1]), dim=1), inc[:, -1]
 
 
 def _excl_suffix(x, end):
