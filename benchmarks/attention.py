@@ -47,7 +47,7 @@ from linear_rope import FavorFeatures
 from .common import (
     cli,
     chunk_size, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, ours_attention, ours_path, quiet,
-    report, setup,
+    report, setup, target,
 )
 
 NAME = "attention"
@@ -128,6 +128,21 @@ def make_call(op, mode: str, q, k, v, up):
     return call
 
 
+def attention_targets(ratio, ns, fraction_of_gemm: float, quick: bool) -> list[dict]:
+    """The issue's targets for the op, all on causal fwd+bwd, from ratios against ours_rope."""
+    big = [n for n in ns if n >= (128 if quick else 2048)]
+    lo, hi = (64, 128) if quick else (1024, 4096)
+    sdpa_min = min((r for r in (ratio("sdpa", "fwd+bwd", n) for n in big) if r is not None), default=None)
+    top = 128 if quick else 16384
+    return [
+        target(f"performer / ours fwd+bwd, N={lo}", ratio("performer", "fwd+bwd", lo), ">=", 10.0),
+        target(f"performer / ours fwd+bwd, N={hi}", ratio("performer", "fwd+bwd", hi), ">=", 10.0),
+        target(f"sdpa / ours fwd+bwd, smallest over N >= {big[0] if big else '-'} (ours faster)", sdpa_min, ">=", 1.0),
+        target(f"sdpa / ours fwd+bwd, N={top}", ratio("sdpa", "fwd+bwd", top), ">=", 8.0),
+        target("ours fwd+bwd rate / same-round GEMM rate (FLOP-count N)", fraction_of_gemm, ">=", 0.6),
+    ]
+
+
 def main(quick: bool = False, out_dir=None) -> dict:
     cfg = QUICK if quick else FULL
     setup(quick)
@@ -192,7 +207,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
                   "gemm_gflop_per_s_same_rounds": peak, "gemm_peak_gflop_per_s_at_start": machine_peak(quick),
                   "fraction_of_gemm": rate / peak},
         "table": {"headers": ["N", "mode", *[f"{i} ms" for i in IMPLS], "performer/ours", "sdpa/ours"], "rows": rows},
-        "targets": [],
+        "targets": attention_targets(ratio, cfg["ns"], rate / peak, quick),
         "notes": [
             f"ours = {ours_path()}; ratios are against ours_rope (medians of interleaved rounds: {rounds}).",
             f"ours_rope fwd+bwd at N={fn}: {fmt(flops / 1e9)} GFLOP (analytic, see ours_flops) in "
