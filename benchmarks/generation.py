@@ -25,7 +25,7 @@ import torch
 
 from linear_rope.model import ModelConfig, PerformerLM
 
-from .common import cli, fmt, interleaved, median, quiet, report, setup, target
+from .common import cli, interleaved, median, quiet, report, setup, target
 
 NAME = "generation"
 FULL = dict(

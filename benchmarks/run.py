@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     command = " ".join(["python -m benchmarks.run", *argv])
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(render(results, machine, command, wall, peak))
-    print(f"\n== targets ==\n" + "\n".join(f"{n}: {target_line(t)}" for n, r in results.items() for t in r["targets"]))
+    print("\n== targets ==\n" + "\n".join(f"{n}: {target_line(t)}" for n, r in results.items() for t in r["targets"]))
     print(f"wrote {md}; wall time {fmt(wall / 60)} min")
     return results
 

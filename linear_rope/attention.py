@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .favor_attention import favor_rotary_attention
-from .features import FavorFeatures
+from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .rotary import apply_rotary, check_offset
 
@@ -57,8 +57,6 @@ class RotaryLinearAttention(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if position == "rope_pre" and dim_head % 2:
             raise ValueError(f"dim_head: rope_pre rotates q and k, so it must be even, got {dim_head}")
-        from .features import FEATURE_KINDS
-
         if feature_map not in FEATURE_KINDS:
             raise ValueError(f"feature_map must be one of {FEATURE_KINDS}, got {feature_map!r}")
         self.features = FavorFeatures(dim_head, nb_features, kind=feature_map)
