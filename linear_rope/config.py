@@ -22,7 +22,8 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     steps: int = 2000  # optimizer steps in total
-    batch_size: int = 8  # sequences per step on each rank
+    batch_size: int = 8  # sequences per micro-batch on each rank
+    grad_accum: int = 1  # micro-batches per step (global batch = batch_size * grad_accum * ranks)
     lr: float = 1e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     warmup_steps: int = 100  # linear warmup steps
@@ -32,6 +33,8 @@ class TrainConfig:
     eval_every: int = 250  # val BPC every N steps (0: only at the last step)
     eval_batch_size: int = 32  # eval windows per forward pass
     log_every: int = 10  # train scalars every N steps
+    checkpoint_every: int = 0  # also checkpoint every N steps (0: at evals, the end and signals)
+    keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
     seed: int = 0  # init, data order and redraws (set per run by --seeds)
     data: str | None = None  # any byte corpus (.bz2/.gz/.xz/.zip/raw); None: enwik8
     data_dir: str = "data"  # where the splits (and enwik8.zip) are cached
@@ -39,12 +42,15 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
     compile: bool = False  # model.compile() in place (optional on CPU)
     threads: int | None = None  # torch CPU threads (None: torch's default; 1 on a busy machine)
+    deterministic: bool = False  # torch.use_deterministic_algorithms (bitwise-repeatable runs)
 
     def __post_init__(self):
-        for f in ("steps", "batch_size", "eval_batch_size", "log_every"):
+        for f in ("steps", "batch_size", "grad_accum", "eval_batch_size", "log_every",
+                  "keep_checkpoints"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
-        for f in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+        for f in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "checkpoint_every",
+                  "seed"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
         if not self.lr > 0:
@@ -69,8 +75,13 @@ TRAIN_PRESETS: dict[str, dict] = {
 assert set(TRAIN_PRESETS) == set(MODEL_PRESETS)
 
 # Train fields a --resume may change: they do not alter the training trajectory.
-RESUMABLE = {"steps", "eval_every", "eval_batch_size", "log_every", "data", "data_dir", "out",
-             "device", "compile", "threads"}
+RESUMABLE = {"steps", "eval_every", "eval_batch_size", "log_every", "checkpoint_every",
+             "keep_checkpoints", "data", "data_dir", "out", "device", "compile", "threads",
+             "deterministic"}
+
+# A sanity cap on --seq-len per preset (16x its training length): a typo such as --seq-len 1024000
+# fails at once instead of allocating for minutes. Evaluation at longer windows has no cap.
+MAX_SEQ_LEN = {name: 16 * cfg["seq_len"] for name, cfg in MODEL_PRESETS.items()}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -133,7 +144,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         f"{', '.join(LM_POSITIONS)} (default rope,none)")
     p.add_argument("--seeds", default="0", help="comma list of run seeds (default 0)")
     p.add_argument("--resume", action="store_true",
-                   help="continue runs from their checkpoint.pt up to --steps")
+                   help="continue runs from their latest checkpoint up to --steps")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete earlier runs of the same names in --out and start again")
     _add_fields(p.add_argument_group("model (ModelConfig)"), ModelConfig, {"position"}, MODEL_PRESETS)
     _add_fields(p.add_argument_group("training (TrainConfig)"), TrainConfig, {"seed"}, TRAIN_PRESETS)
     return p
@@ -161,5 +174,10 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
                 **{f.name: given[f.name] for f in fields(ModelConfig) if f.name in given}}
     train_kw = {"out": f"runs/{args.preset}", **TRAIN_PRESETS[args.preset],
                 **{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given}}
+    if model_kw["seq_len"] > MAX_SEQ_LEN[args.preset]:
+        raise ValueError(f"seq_len {model_kw['seq_len']} is above the {args.preset} preset's maximum "
+                         f"{MAX_SEQ_LEN[args.preset]} (16x its training length); use a larger preset")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other; pass one")
     return [(f"{v}-seed{s}", ModelConfig(**{**model_kw, "position": v}),
              TrainConfig(**{**train_kw, "seed": s})) for v in variants for s in seeds]

@@ -39,7 +39,8 @@ import torch
 __all__ = [
     "ENWIK8_URL", "ENWIK8_SIZE", "ENWIK8_MD5", "SPLITS", "DataError",
     "read_corpus", "download", "verify_bytes", "split_sizes", "split_bytes",
-    "prepare_enwik8", "prepare_corpus", "load_split", "get_batch", "eval_batches",
+    "prepare_enwik8", "prepare_corpus", "load_split", "draw_starts", "crops", "get_batch",
+    "eval_batches",
     "count_eval_bytes",
 ]
 
@@ -304,26 +305,38 @@ def load_split(path) -> np.memmap:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
+def draw_starts(data, count: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` crop starts drawn uniformly from ``[0, len(data) - seq_len)``: int64 `[count]`.
+
+    Only ``generator`` is consumed, never the global RNG, so a seed fixes the data stream
+    regardless of what the model draws. Training draws one global batch of starts per step
+    (``world * grad_accum * batch_size``) and each rank and micro-step takes its own slice, so
+    ranks see distinct crops and the global batch does not depend on how it is split.
+    """
+    data = _as_array(data)
+    if count < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be positive, got {count}, {seq_len}")
+    if len(data) < seq_len + 1:
+        raise DataError(f"split of {len(data)} bytes is too short for seq_len={seq_len} "
+                        f"(needs at least {seq_len + 1})")
+    return torch.randint(len(data) - seq_len, (count,), generator=generator)
+
+
+def crops(data, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x, y`` int64 `[len(starts), seq_len]`: ``x = data[s:s + seq_len]``, ``y`` shifted by one."""
+    data = _as_array(data)
+    idx = starts.numpy()[:, None] + np.arange(seq_len + 1)  # (B, T+1)
+    window = torch.from_numpy(data[idx].astype(np.int64))
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
 def get_batch(data, batch_size: int, seq_len: int,
               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random crops (nanoGPT style): ``x, y`` int64 of shape `[B, seq_len]`.
 
-    Row ``i`` is ``x = data[s:s + seq_len]``, ``y = data[s + 1:s + 1 + seq_len]`` for a
-    start ``s`` drawn uniformly from ``[0, len(data) - seq_len)``.
-
-    Only ``generator`` is consumed, never the global RNG, so a seed fixes the data stream
-    regardless of what the model draws.
+    ``crops(data, draw_starts(data, batch_size, seq_len, generator), seq_len)``.
     """
-    data = _as_array(data)
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
-    if len(data) < seq_len + 1:
-        raise DataError(f"split of {len(data)} bytes is too short for seq_len={seq_len} "
-                        f"(needs at least {seq_len + 1})")
-    starts = torch.randint(len(data) - seq_len, (batch_size,), generator=generator)
-    idx = starts.numpy()[:, None] + np.arange(seq_len + 1)  # (B, T+1)
-    window = torch.from_numpy(data[idx].astype(np.int64))
-    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    return crops(data, draw_starts(data, batch_size, seq_len, generator), seq_len)
 
 
 def eval_batches(data, seq_len: int,

@@ -9,19 +9,28 @@ Commands, from the repository root::
         --data ../shared/data/enwiki-sample.xml.bz2 --out runs/cpu
     # the paper's setting (RoFormer section 4.4) on enwik8 (downloaded into --data-dir)
     torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --compile --out runs/paper
-    # DDP on CPU (gloo), e.g. to check a launch
-    torchrun --standalone --nproc_per_node=2 -m linear_rope.train --preset tiny --steps 3 \
+    # DDP (gloo on CPU, nccl on CUDA): global batch = batch_size * grad_accum * ranks
+    torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 \
         --data ../shared/data/enwiki-sample.xml.bz2 --out runs/ddp
     # continue a finished or interrupted run to more steps, in the same log dirs
     python -m linear_rope.train --preset cpu --out runs/cpu --resume --steps 4000
     tensorboard --logdir runs/cpu
-    python -m linear_rope.sample runs/cpu/rope-seed0/checkpoint.pt --prompt "The "
+    python -m linear_rope.sample runs/cpu/rope-seed0 --prompt "The "
 
 Every variant x seed is one run in ``<out>/<variant>-seed<k>/`` (TensorBoard events, config.json,
-checkpoint.pt). Runs with the same seed share the initial weights (``torch.manual_seed(seed)``
-before the model is built), the initial FAVOR+ projections and every redraw (a generator seeded
-``seed + 1_000_003``) and the data order (a generator seeded ``seed * 1000 + rank``), so variants
-differ only in where position enters the model.
+``ckpt-<step>.pt``, the newest ``--keep-checkpoints`` kept; see ``linear_rope.checkpoint``).
+Runs with the same seed share the initial weights (``torch.manual_seed(seed)`` before the model
+is built), the initial FAVOR+ projections and every redraw (a generator seeded
+``seed + 1_000_003``) and the data order (a generator seeded ``seed * 1000``), so variants differ
+only in where position enters the model. Each step draws one global batch of crop starts; rank
+``r`` takes micro-batch ``j``'s slice ``(j * world + r) * batch_size``, so ranks see distinct crops
+and 2 ranks x batch b train on the same global batches as 1 rank x batch 2b.
+
+Resume is exact: the checkpoint holds the model, optimizer, step, metrics and the states of the
+torch (dropout), data and feature generators, so ``--resume`` reproduces every ``train/loss`` of
+an uninterrupted run bit for bit on CPU. SIGTERM / SIGINT checkpoint at the end of the current
+step and exit 0 with the resume command. A non-finite loss or gradient norm stops the run at that
+step before the update (exit 3), naming the last good checkpoint.
 
 The learning rate is a pure function of the step: linear warmup over ``warmup_steps``, then a
 cosine from ``lr`` down to ``lr * min_lr_ratio`` (10%) at ``decay_steps`` (default ``steps``),
@@ -35,12 +44,14 @@ can be several times faster than torch's default of one thread per core.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -50,52 +61,34 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from . import data
+from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import RESUMABLE, TRAIN_PRESETS, ConfigError, TrainConfig, build_parser, configs_from_args, lr_at
 from .model import ModelConfig, PerformerLM
+from .runtime import Dist, StopSignals, init_distributed, param_digest, resume_command
 
 __all__ = ["TrainConfig", "TRAIN_PRESETS", "lr_at", "build_run", "evaluate", "main"]
 
 FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
-CHECKPOINT = "checkpoint.pt"
+SHAPE_FIELDS = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len",
+                "ff_mult")
+EXIT_NONFINITE = 3
 
 
-# --------------------------------------------------------------------------- runtime
+class NonFiniteError(Exception):
+    """The loss or the gradient norm is NaN / inf (the run stops, exit 3)."""
 
 
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-
-
-def init_distributed(device: str) -> Dist:
-    """One process, or one rank of a torchrun launch (``WORLD_SIZE > 1``)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(device=torch.device(device))
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Dist(rank, world, dev)
-
-
-def build_run(mc: ModelConfig, seed: int, rank: int = 0):
+def build_run(mc: ModelConfig, seed: int):
     """Model, data generator and feature generator of one run at step 0 (on CPU).
 
-    The same ``seed`` gives every variant the same shared initial weights, FAVOR+ projections
-    and data stream; ``rank`` only offsets the data stream.
+    The same ``seed`` gives every variant (and every rank) the same initial weights, FAVOR+
+    projections and data stream.
     """
     torch.manual_seed(seed)
     model = PerformerLM(mc)
     feature_gen = torch.Generator().manual_seed(seed + FEATURE_SEED_OFFSET)
     model.redraw_features(feature_gen)
-    data_gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    data_gen = torch.Generator().manual_seed(seed * 1000)
     return model, data_gen, feature_gen
 
 
@@ -105,21 +98,24 @@ def _autocast(device: torch.device):
 
 @torch.no_grad()
 def evaluate(model, split, seq_len: int, batch_size: int, dd: Dist = Dist()) -> float:
-    """BPC over the whole split: summed nats / count_eval_bytes / ln 2 (batches shared by ranks)."""
+    """BPC over the whole split: summed nats / summed bytes / ln 2, both summed across ranks."""
     was_training = model.training
     model.eval()
-    nats = torch.zeros((), dtype=torch.float64, device=dd.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=dd.device)  # nats, predicted bytes
     for i, (x, y) in enumerate(data.eval_batches(split, seq_len, batch_size)):
         if i % dd.world != dd.rank:
             continue
         with _autocast(dd.device):
             logits = model(x.to(dd.device))
-        nats += F.cross_entropy(logits.float().flatten(0, 1), y.to(dd.device).flatten(),
-                                reduction="sum").double()
+        sums[0] += F.cross_entropy(logits.float().flatten(0, 1), y.to(dd.device).flatten(),
+                                   reduction="sum").double()
+        sums[1] += y.numel()
     if dd.world > 1:
-        dist.all_reduce(nats)
+        dist.all_reduce(sums)
     model.train(was_training)
-    return nats.item() / data.count_eval_bytes(split) / math.log(2)
+    nats, n_bytes = sums.tolist()
+    assert n_bytes == data.count_eval_bytes(split), (n_bytes, data.count_eval_bytes(split))
+    return nats / n_bytes / math.log(2)
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
@@ -130,66 +126,58 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=tc.lr)
 
 
-def _data_states(data_gen: torch.Generator, dd: Dist) -> list[torch.Tensor]:
-    """Every rank's data generator state (a collective under DDP)."""
-    if dd.world == 1:
-        return [data_gen.get_state()]
-    states = [None] * dd.world
-    dist.all_gather_object(states, data_gen.get_state())
-    return states
-
-
-def save_checkpoint(path: Path, ckpt: dict) -> None:
-    """torch.save to a temporary file, then os.replace: a crash never leaves a corrupt file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
-
-
-def _check_resumable(ckpt: dict, mc: ModelConfig, tc: TrainConfig, dd: Dist, run_dir: Path):
+def _check_resumable(ckpt: dict, mc: ModelConfig, tc: TrainConfig, dd: Dist, path: Path):
     old_m, old_t = ckpt["config"]["model"], ckpt["config"]["train"]
     diffs = [f"{k}: checkpoint {old_m.get(k)!r}, now {v!r}" for k, v in asdict(mc).items()
              if old_m.get(k) != v]
     diffs += [f"{k}: checkpoint {old_t.get(k)!r}, now {v!r}" for k, v in asdict(tc).items()
               if k not in RESUMABLE and old_t.get(k) != v]
-    if len(ckpt["rng"]["data"]) != dd.world:
-        diffs.append(f"world size: checkpoint {len(ckpt['rng']['data'])}, now {dd.world}")
+    if ckpt.get("world", 1) != dd.world:
+        diffs.append(f"ranks: checkpoint {ckpt.get('world', 1)}, now {dd.world} (the global "
+                     f"batch and data slices depend on it)")
     if diffs:
-        raise ConfigError(f"cannot resume {run_dir}: config differs ({'; '.join(diffs)})")
+        raise ConfigError(f"cannot resume from {path}: config differs ({'; '.join(diffs)})")
 
 
 def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dist,
-              resume: bool) -> dict:
-    """Train (or continue) one run; return ``{"step", "val_bpc", "test_bpc"}``."""
+              resume: bool, stop: StopSignals | None = None) -> dict:
+    """Train (or continue) one run; return ``{"step", "val_bpc", "test_bpc", "stopped"}``.
+
+    ``stopped`` is the signal's name when a SIGTERM / SIGINT ended the run early (checkpointed).
+    """
     run_dir = Path(tc.out) / name
-    ckpt_path = run_dir / CHECKPOINT
-    lead = dd.rank == 0
     try:
-        model, data_gen, feature_gen = build_run(mc, tc.seed, dd.rank)
+        model, data_gen, feature_gen = build_run(mc, tc.seed)
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from e
     model.to(dd.device)
     opt = make_optimizer(model, tc)
     start, metrics = 0, {"val_bpc": None, "test_bpc": None}
-    if resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        _check_resumable(ckpt, mc, tc, dd, run_dir)
+    last_ckpt = latest_checkpoint(run_dir) if resume else None
+    if last_ckpt is not None:
+        try:
+            ckpt = load_checkpoint(last_ckpt)
+        except CheckpointError as e:
+            older = [p for _, p in list_checkpoints(run_dir)[:-1]]
+            hint = f"; move it away to resume from {older[-1].name}" if older else ""
+            raise ConfigError(f"cannot resume: {e}{hint}") from None
+        _check_resumable(ckpt, mc, tc, dd, last_ckpt)
         start, metrics = ckpt["step"], ckpt["metrics"]
         if start >= tc.steps:
-            if lead:
+            if dd.lead:
                 print(f"{name}: already done (step {start} >= --steps {tc.steps}); skipping",
                       file=sys.stderr)
-            return {"step": start, **metrics}
+            return {"step": start, **metrics, "stopped": None}
         metrics["test_bpc"] = None  # of the shorter run; measured again at the new end
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         if dd.device.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-        data_gen.set_state(ckpt["rng"]["data"][dd.rank])
+        data_gen.set_state(ckpt["rng"]["data"])
         feature_gen.set_state(ckpt["rng"]["features"])
         if (tc.decay_steps is None and ckpt["config"]["train"]["decay_steps"] is None
-                and ckpt["config"]["train"]["steps"] != tc.steps and lead):
+                and ckpt["config"]["train"]["steps"] != tc.steps and dd.lead):
             print(f"{name}: note: the cosine now ends at step {tc.steps}, not "
                   f"{ckpt['config']['train']['steps']} (fix --decay-steps to avoid this)",
                   file=sys.stderr)
@@ -203,29 +191,39 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
 
     config = {"model": asdict(mc), "train": asdict(tc)}
     writer = None
-    if lead:
+    if dd.lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        # purge_step drops events a crashed process wrote after the checkpoint we restart from
+        # purge_step: readers drop events a killed process wrote after the checkpoint we resume
         writer = SummaryWriter(run_dir, purge_step=start + 1)
         writer.add_text("config", f"```\n{json.dumps(config, indent=2)}\n```", start)
         print(f"{name}: {model.num_params():,} params, steps {start} -> {tc.steps}, "
-              f"device {dd.device}, world {dd.world}", file=sys.stderr)
+              f"device {dd.device}, ranks {dd.world}, global batch "
+              f"{tc.batch_size * tc.grad_accum * dd.world}", file=sys.stderr)
 
-    def checkpoint(step: int):
-        states = _data_states(data_gen, dd)  # every rank takes part
-        if not lead:
-            return
-        rng = {"torch": torch.get_rng_state(), "data": states, "features": feature_gen.get_state()}
-        if dd.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state()
-        save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                    "step": step, "rng": rng, "config": config, "metrics": metrics})
+    def checkpoint(step: int) -> None:
+        digests = [param_digest(model)]
+        if dd.world > 1:  # every rank takes part; identical weights are checked, not assumed
+            digests = [None] * dd.world
+            dist.all_gather_object(digests, param_digest(model))
+            if len(set(digests)) != 1:
+                raise RuntimeError(f"ranks hold different weights at step {step}: {digests}")
+        nonlocal last_ckpt
+        if dd.lead:
+            rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
+                   "features": feature_gen.get_state()}
+            if dd.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state()
+            last_ckpt = save_checkpoint(
+                run_dir, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "step": step, "rng": rng, "config": config, "metrics": metrics,
+                                "world": dd.world, "param_sha256": digests},
+                keep=tc.keep_checkpoints)
 
-    train, tokens_per_step = splits["train"], tc.batch_size * mc.seq_len * dd.world
-    bar = tqdm(total=tc.steps, initial=start, desc=name, file=sys.stderr, disable=not lead,
+    train, per_step = splits["train"], tc.batch_size * tc.grad_accum * dd.world
+    bar = tqdm(total=tc.steps, initial=start, desc=name, file=sys.stderr, disable=not dd.lead,
                dynamic_ncols=True)
-    t0, n_steps = time.perf_counter(), 0
+    t0, n_steps, stopped = time.perf_counter(), 0, None
     model.train()
     for step in range(start, tc.steps):
         if mc.feature_redraw_interval and step > 0 and step % mc.feature_redraw_interval == 0:
@@ -233,30 +231,55 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
         lr = lr_at(step, tc)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = data.get_batch(train, tc.batch_size, mc.seq_len, data_gen)
-        x, y = x.to(dd.device, non_blocking=True), y.to(dd.device, non_blocking=True)
-        with _autocast(dd.device):
-            logits = net(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        starts = data.draw_starts(train, per_step, mc.seq_len, data_gen)  # the global batch
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum = None
+        for j in range(tc.grad_accum):
+            lo = (j * dd.world + dd.rank) * tc.batch_size
+            x, y = data.crops(train, starts[lo:lo + tc.batch_size], mc.seq_len)
+            x, y = x.to(dd.device, non_blocking=True), y.to(dd.device, non_blocking=True)
+            sync = net is model or j == tc.grad_accum - 1  # DDP all-reduces on the last one
+            with contextlib.nullcontext() if sync else net.no_sync():
+                with _autocast(dd.device):
+                    logits = net(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                (loss / tc.grad_accum).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or math.inf)
+        # one small collective per step: mean loss, non-finite flag, stop request
+        stats = torch.stack([loss_sum.float() / tc.grad_accum,
+                             (~torch.isfinite(loss_sum)).float() + (~torch.isfinite(grad_norm)).float(),
+                             torch.tensor(float(stop is not None and stop.received is not None))])
+        if dd.world > 1:
+            stats = stats.to(dd.device)
+            dist.all_reduce(stats)
+            stats[0] /= dd.world
+        loss_v, bad, stop_now = stats.tolist()
+        if bad:
+            what = "loss" if not math.isfinite(loss_v) else "gradient norm"
+            where = (f"last good checkpoint: {last_ckpt} (resume from it with --resume, e.g. with a "
+                     f"lower --lr)" if last_ckpt else "no checkpoint was written yet")
+            bar.close()
+            if writer is not None:
+                writer.close()
+            raise NonFiniteError(f"{name}: non-finite {what} at step {step + 1}; the update was "
+                                 f"not applied and the run stopped; {where}")
         opt.step()
         done, n_steps = step + 1, n_steps + 1
         bar.update(1)
         last = done == tc.steps
-        if lead and (done % tc.log_every == 0 or last):
-            loss_v = loss.item()
-            tok_s = n_steps * tokens_per_step / (time.perf_counter() - t0)
+        if dd.lead and (done % tc.log_every == 0 or last):
+            tok_s = n_steps * per_step * mc.seq_len / (time.perf_counter() - t0)
             for tag, v in (("train/loss", loss_v), ("train/bpc", loss_v / math.log(2)), ("lr", lr),
                            ("perf/tokens_per_sec", tok_s), ("grad/norm", grad_norm.item())):
                 writer.add_scalar(tag, v, done)
             bar.set_postfix(loss=f"{loss_v:.4f}", bpc=f"{loss_v / math.log(2):.3f}")
             t0, n_steps = time.perf_counter(), 0
+        saved = False
         if (tc.eval_every and done % tc.eval_every == 0) or last:
             t_eval = time.perf_counter()
             metrics["val_bpc"] = evaluate(model, splits["valid"], mc.seq_len, tc.eval_batch_size, dd)
-            if lead:
+            if dd.lead:
                 writer.add_scalar("val/bpc", metrics["val_bpc"], done)
                 bar.write(f"{name} step {done}: val bpc {metrics['val_bpc']:.4f} "
                           f"(eval {time.perf_counter() - t_eval:.1f} s)", file=sys.stderr)
@@ -264,17 +287,24 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
                 metrics["test_bpc"] = evaluate(model, splits["test"], mc.seq_len,
                                                tc.eval_batch_size, dd)
             checkpoint(done)
+            saved = True
             t0, n_steps = time.perf_counter(), 0  # tokens/s leaves eval time out
+        if not saved and (stop_now or (tc.checkpoint_every and done % tc.checkpoint_every == 0)):
+            checkpoint(done)
+        if stop_now and not last:
+            stopped = (stop.received if stop is not None else None) or "a signal on another rank"
+            break
     bar.close()
-    if lead:
-        writer.add_scalar("test/bpc", metrics["test_bpc"], tc.steps)
-        hparams = {f"{group}.{k}": ("None" if v is None else v)
-                   for group, cfg in config.items() for k, v in cfg.items()}
-        writer.add_hparams({"run": name, **hparams},
-                           {"hparam/val_bpc": metrics["val_bpc"], "hparam/test_bpc": metrics["test_bpc"]},
-                           run_name=".")
+    if dd.lead:
+        if stopped is None:
+            writer.add_scalar("test/bpc", metrics["test_bpc"], tc.steps)
+            hparams = {f"{group}.{k}": ("None" if v is None else v)
+                       for group, cfg in config.items() for k, v in cfg.items()}
+            writer.add_hparams({"run": name, **hparams}, {"hparam/val_bpc": metrics["val_bpc"],
+                                                          "hparam/test_bpc": metrics["test_bpc"]},
+                               run_name=".")
         writer.close()
-    return {"step": tc.steps, **metrics}
+    return {"step": done if tc.steps > start else start, **metrics, "stopped": stopped}
 
 
 def write_layout(out: Path) -> None:
@@ -290,53 +320,104 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = build_parser(prog or "python -m linear_rope.train")
-    args = parser.parse_args(argv)
+def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
+    """Refuse to write over an earlier run; return the run dirs ``--overwrite`` will clear."""
+    out = Path(runs[0][2].out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    clear = []
+    for name, mc, _ in runs:
+        run_dir = out / name
+        if not run_dir.is_dir() or not any(run_dir.iterdir()):
+            continue
+        if overwrite:
+            clear.append(run_dir)
+            continue
+        old = None
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            old = json.loads((run_dir / "config.json").read_text())["model"]
+        if old is not None:
+            shape = [f"{k} {old.get(k)!r} vs {getattr(mc, k)!r}" for k in SHAPE_FIELDS
+                     if old.get(k) != getattr(mc, k)]
+            if shape and resume:
+                raise ConfigError(f"cannot resume {run_dir}: its model differs "
+                                  f"({', '.join(shape)})")
+            if shape:
+                raise ConfigError(f"{run_dir} holds a different experiment ({', '.join(shape)}); "
+                                  f"choose another --out, or pass --overwrite to replace it")
+        if not resume:
+            raise ConfigError(f"{run_dir} holds an earlier run; pass --resume to continue it, "
+                              f"--overwrite to replace it, or choose another --out")
+    return clear
 
-    def fail(msg: str):  # under torchrun every rank exits 2, rank 0 alone says why
-        parser.exit(2, f"{parser.prog}: error: {msg}\n" if os.environ.get("RANK", "0") == "0" else "")
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    prog = prog or "python -m linear_rope.train"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    lead = os.environ.get("RANK", "0") == "0"
+
+    def fail(msg: str, code: int = 2):  # under torchrun every rank exits, rank 0 alone says why
+        parser.exit(code, f"{parser.prog}: error: {msg}\n" if lead else "")
 
     try:
         runs = configs_from_args(args)
+        clear = check_out_dir(runs, args.resume, args.overwrite)
     except ValueError as e:
         fail(_one_line(e))
     tc0 = runs[0][2]
     out = Path(tc0.out)
-    for name, _, _ in runs:
-        if (out / name / CHECKPOINT).exists() and not args.resume:
-            fail(f"{out / name / CHECKPOINT} exists; pass --resume to continue it, "
-                 f"or choose another --out")
     if tc0.threads:
         torch.set_num_threads(tc0.threads)
+    if tc0.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     dd = init_distributed(tc0.device)
+    results = []
     try:
-        if dd.rank == 0:  # rank 0 downloads / splits first; the others then find the cache
-            paths = _prepare(tc0)
-        if dd.world > 1:
-            dist.barrier()
-            paths = paths if dd.rank == 0 else _prepare(tc0)
-        splits = {k: data.load_split(p) for k, p in paths.items()}
-        if dd.rank == 0 and not any(out.glob("events.out.tfevents.*")):
-            write_layout(out)
-        results = []
-        for name, mc, tc in runs:
-            try:
-                results.append((name, train_run(name, mc, tc, splits, dd, args.resume)))
-            except ConfigError as e:
-                fail(_one_line(e))
-    except data.DataError as e:
+        with StopSignals(quiet=not dd.lead) as stop:
+            if dd.lead:  # rank 0 downloads / splits first; the others then find the cache
+                paths = _prepare(tc0)
+            if dd.world > 1:
+                dist.barrier()
+                paths = paths if dd.lead else _prepare(tc0)
+            splits = {k: data.load_split(p) for k, p in paths.items()}
+            for name, mc, _ in runs:
+                if len(splits["train"]) < mc.seq_len + 1:
+                    raise data.DataError(
+                        f"corpus too short: the train split has {len(splits['train'])} bytes, "
+                        f"less than one training window of seq_len + 1 = {mc.seq_len + 1}")
+            if dd.lead:
+                for run_dir in clear:
+                    shutil.rmtree(run_dir)
+                if not any(out.glob("events.out.tfevents.*")):
+                    write_layout(out)
+            if dd.world > 1:
+                dist.barrier()
+            for name, mc, tc in runs:
+                r = train_run(name, mc, tc, splits, dd, args.resume, stop)
+                results.append((name, r))
+                if r["stopped"]:
+                    break
+    except (data.DataError, ConfigError) as e:
         fail(_one_line(e))
+    except NonFiniteError as e:
+        fail(_one_line(e), EXIT_NONFINITE)
     finally:
-        if dd.world > 1:
+        if dd.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    if dd.rank == 0:
+    if dd.lead:
         print(f"{'run':<20} {'step':>7} {'val bpc':>8} {'test bpc':>8}")
         for name, r in results:
             val, test = (f"{v:8.4f}" if v is not None else f"{'-':>8}"
                          for v in (r["val_bpc"], r["test_bpc"]))
             print(f"{name:<20} {r['step']:>7} {val} {test}")
         print(f"tensorboard --logdir {out}")
+        if results and results[-1][1]["stopped"]:
+            name, r = results[-1]
+            print(f"{name}: stopped by {r['stopped']} at step {r['step']}, checkpoint saved; "
+                  f"resume with:\n  {resume_command(argv, prog, dd.world)}", file=sys.stderr)
     return 0
 
 

@@ -11,7 +11,7 @@ from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
 
 
 def save_model(path, model: PerformerLM):
-    torch.save({"model": model.state_dict(), "config": {"model": asdict(model.cfg), "train": {}}}, path)
+    torch.save({"model": model.state_dict(), "step": 0, "config": {"model": asdict(model.cfg), "train": {}}}, path)
 
 
 def forced_byte_model(byte: int) -> PerformerLM:
@@ -50,7 +50,7 @@ def test_sampling_is_seeded(tmp_path, capsys):
 def test_unreadable_checkpoint_is_one_line_exit_2(tmp_path, capsys, content):
     path = tmp_path / "ckpt.pt"
     if content == "no-config":
-        torch.save({"model": {}}, path)
+        torch.save({"model": {}, "step": 0}, path)
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(SystemExit) as exc:

@@ -1,0 +1,121 @@
+"""Crash-safe checkpoints: atomic writes, retention of the last N, safe loading.
+
+A run directory holds ``ckpt-<step, 8 digits>.pt`` files. Each is written to a hidden temporary
+file in the same directory, flushed and fsynced, then ``os.replace``-d into place and the
+directory fsynced, so a crash (even ``kill -9`` or a power cut after the rename) leaves either
+the previous set of checkpoints or the new one, never a partial file under a checkpoint name.
+Older checkpoints are deleted only after the new one is in place. A checkpoint is a plain dict of
+tensors, numbers, strings, lists and dicts, and is only ever read with
+``torch.load(weights_only=True)``: a file that would need to run code to unpickle is refused.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+__all__ = ["CheckpointError", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
+           "save_checkpoint", "load_checkpoint", "resolve_checkpoint"]
+
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+LEGACY = "checkpoint.pt"  # the single checkpoint of linear_rope <= 0.1
+REQUIRED = ("model", "step", "config")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot or must not be loaded (the CLIs print it and exit 2)."""
+
+
+def checkpoint_path(run_dir, step: int) -> Path:
+    return Path(run_dir) / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(run_dir) -> list[tuple[int, Path]]:
+    """``[(step, path)]`` of the complete checkpoints in ``run_dir``, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)))
+    if not found and (run_dir / LEGACY).is_file():
+        found = [(-1, run_dir / LEGACY)]  # step unknown until loaded
+    return found
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir, step: int, payload: dict, keep: int) -> Path:
+    """Write ``payload`` as the step's checkpoint atomically, then keep only the newest ``keep``."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(run_dir, step)
+    tmp = run_dir / f".{final.name}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(run_dir)
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    for stale in run_dir.glob(".ckpt-*.tmp"):  # left by a writer that was killed
+        if stale != tmp:
+            stale.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path) -> dict:
+    """``torch.load(path, weights_only=True)`` with one-line :class:`CheckpointError` messages."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = str(e).strip().splitlines()
+        why = next((ln for ln in why if "GLOBAL" in ln or "Unsupported" in ln), why[0] if why else "")
+        raise CheckpointError(
+            f"refusing to load {path}: it contains pickled objects that are not plain weights, and "
+            f"loading it could run code (torch.load weights_only=True: {' '.join(why.split())[:160]})"
+        ) from None
+    except Exception as e:  # zip / EOF / unpickling errors of a truncated or foreign file
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}): corrupt, "
+                              f"truncated or not a torch checkpoint") from None
+    if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED):
+        raise CheckpointError(f"{path} is not a linear_rope checkpoint "
+                              f"(needs the keys {', '.join(REQUIRED)})")
+    return ckpt
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint file as given, or the latest checkpoint of a run directory."""
+    path = Path(path)
+    if path.is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"no checkpoint in {path} (expected ckpt-<step>.pt files)")
+        return latest
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    return path
