@@ -95,9 +95,10 @@ def resume_command(argv: list[str], prog: str, world: int) -> str:
     if "--resume" not in args:
         args.append("--resume")
     if prog.endswith(".py"):
-        launch = ["torchrun", f"--nproc_per_node={world}", prog] if world > 1 else ["python", prog]
+        launch = (["torchrun", "--standalone", f"--nproc_per_node={world}", prog] if world > 1
+                  else ["python", prog])
     else:  # "python -m linear_rope.train"
         module = prog.split()[-1]
-        launch = (["torchrun", f"--nproc_per_node={world}", "-m", module] if world > 1
+        launch = (["torchrun", "--standalone", f"--nproc_per_node={world}", "-m", module] if world > 1
                   else ["python", "-m", module])
     return shlex.join(launch + args)

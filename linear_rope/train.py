@@ -150,6 +150,8 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
         model, data_gen, feature_gen = build_run(mc, tc.seed)
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from e
+    if dd.rank:  # rank 0 keeps the seed's stream; the others draw their own dropout masks
+        torch.manual_seed(tc.seed * 1000 + FEATURE_SEED_OFFSET * dd.rank)
     model.to(dd.device)
     opt = make_optimizer(model, tc)
     start, metrics = 0, {"val_bpc": None, "test_bpc": None}
@@ -171,7 +173,8 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
         metrics["test_bpc"] = None  # of the shorter run; measured again at the new end
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
+        torch.set_rng_state(ckpt["rng"]["torch_ranks"][dd.rank] if dd.world > 1
+                            else ckpt["rng"]["torch"])
         if dd.device.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         data_gen.set_state(ckpt["rng"]["data"])
@@ -202,16 +205,19 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
               f"{tc.batch_size * tc.grad_accum * dd.world}", file=sys.stderr)
 
     def checkpoint(step: int) -> None:
-        digests = [param_digest(model)]
+        digests, torch_states = [param_digest(model)], [torch.get_rng_state()]
         if dd.world > 1:  # every rank takes part; identical weights are checked, not assumed
-            digests = [None] * dd.world
+            digests, torch_states = [None] * dd.world, [None] * dd.world
             dist.all_gather_object(digests, param_digest(model))
+            dist.all_gather_object(torch_states, torch.get_rng_state())
             if len(set(digests)) != 1:
                 raise RuntimeError(f"ranks hold different weights at step {step}: {digests}")
         nonlocal last_ckpt
         if dd.lead:
             rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
                    "features": feature_gen.get_state()}
+            if dd.world > 1:
+                rng["torch_ranks"] = torch_states  # each rank's dropout stream
             if dd.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state()
             last_ckpt = save_checkpoint(

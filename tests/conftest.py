@@ -1,0 +1,30 @@
+"""Fixtures shared by the training tests (helpers live in helpers.py)."""
+from __future__ import annotations
+
+import bz2
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import SAMPLE
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """64 KB of the shared sample, or synthetic text without it."""
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    if SAMPLE.is_file():
+        with bz2.open(SAMPLE, "rb") as f:
+            path.write_bytes(f.read(1 << 16))
+    else:
+        path.write_bytes(b"the rotary linear attention of a performer language model\n" * 1200)
+    return path

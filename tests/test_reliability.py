@@ -1,0 +1,218 @@
+"""Long-run reliability: exact resume, signals, kill -9, non-finite steps, checkpoint safety.
+
+Training runs here use the ``tiny`` preset on a 64 KB cut of the shared sample, one thread, and
+``--deterministic``. Runs that must be killed run as subprocesses; the rest run in-process.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ENV, ROOT, SHIM, losses, raw_losses, run_main, wait_for
+from linear_rope import checkpoint, train
+from linear_rope.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from linear_rope.model import PerformerLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def common(corpus: Path, tmp: Path, steps: int, *extra: str) -> list[str]:
+    """Dropout and redraws on, so resume must restore the torch RNG and the feature generator."""
+    return ["--preset", "tiny", "--variants", "rope", "--steps", str(steps), "--decay-steps", "40",
+            "--dropout", "0.1", "--feature-redraw-interval", "5", "--log-every", "1",
+            "--eval-every", "0", "--eval-batch-size", "512", "--deterministic", "--threads", "1",
+            "--data", str(corpus), "--data-dir", str(tmp / "data"), *extra]
+
+
+def final_state(run_dir: Path) -> dict:
+    return load_checkpoint(latest_checkpoint(run_dir))
+
+
+def assert_same_run(a: Path, b: Path, steps: int) -> None:
+    la, lb = losses(a), losses(b)
+    assert [s for s, _ in la] == list(range(1, steps + 1))
+    assert lb == la  # every logged value equal, not close
+    ca, cb = final_state(a), final_state(b)
+    assert ca["step"] == cb["step"] == steps
+    for k in ca["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
+    for k in ("torch", "data", "features"):
+        assert torch.equal(ca["rng"][k], cb["rng"][k]), k
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus) -> Path:
+    """The uninterrupted 16-step run every interrupted run is compared with."""
+    tmp = tmp_path_factory.mktemp("straight")
+    code, _, err = run_main(common(corpus, tmp, 16, "--out", str(tmp / "runs")))
+    assert code == 0, err
+    return tmp / "runs" / "rope-seed0"
+
+
+def test_resume_is_exact(tmp_path, corpus, straight):
+    """Stop at 7 (another --steps), resume to 16: the same losses, weights and RNG states."""
+    out = ["--out", str(tmp_path / "runs")]
+    assert run_main(common(corpus, tmp_path, 7, *out))[0] == 0
+    time.sleep(1.05)  # TensorBoard sorts event files by their whole-second timestamp
+    assert run_main(common(corpus, tmp_path, 16, *out, "--resume"))[0] == 0
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    assert_same_run(straight, run_dir, 16)
+    # no step is written twice or skipped, even in the raw event files
+    assert [s for s, _ in raw_losses(run_dir)] == list(range(1, 17))
+
+
+def test_checkpoint_retention_and_no_temp_files(tmp_path, corpus):
+    code, _, err = run_main(common(corpus, tmp_path, 6, "--out", str(tmp_path / "runs"),
+                                   "--checkpoint-every", "1", "--keep-checkpoints", "2"))
+    assert code == 0, err
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    assert [s for s, _ in list_checkpoints(run_dir)] == [5, 6]
+    assert not list(run_dir.glob(".*tmp"))
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(SHIM + argv, cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_checkpoints_the_current_step_and_exits_0(tmp_path, corpus, straight, sig):
+    """The signal arrives mid-run; the checkpoint is at the step it ended; resume is exact."""
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    proc = _spawn(common(corpus, tmp_path, 16, "--out", str(tmp_path / "runs")))
+    wait_for(lambda: len(raw_losses(run_dir)) >= 2, proc)  # training, not importing
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert f"received {sig.name}" in err and "resume with:" in err
+    step = load_checkpoint(latest_checkpoint(run_dir))["step"]
+    assert 2 <= step < 16 and f"at step {step}" in err
+    assert max(s for s, _ in raw_losses(run_dir)) == step  # stopped right after the checkpoint
+    # the printed command resumes it
+    command = shlex.split(err.split("resume with:")[1].strip().splitlines()[0])
+    assert command[:2] == ["python", "train_enwik8.py"] and command[-1] == "--resume"
+    time.sleep(1.05)
+    code, _, err = run_main(command[2:])
+    assert code == 0, err
+    assert_same_run(straight, run_dir, 16)
+
+
+def test_kill_9_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path, corpus):
+    """SIGKILL six times (four random moments, two inside a checkpoint write), then finish.
+
+    A checkpoint is written after every step, and the model is widened (12 MB checkpoints) so
+    that a write takes long enough to be caught in the act. After each kill the newest
+    checkpoint must load, and the run, resumed each time, must end with exactly the losses and
+    weights of an uninterrupted run.
+    """
+    steps, wide = 150, ["--dim", "256"]
+    code, _, err = run_main(common(corpus, tmp_path, steps, *wide, "--out", str(tmp_path / "ref")))
+    assert code == 0, err
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    argv = common(corpus, tmp_path, steps, *wide, "--out", str(tmp_path / "runs"),
+                  "--checkpoint-every", "1")
+    rng = random.Random(0)
+    in_write, kills = 0, []
+    for trial in range(6):
+        proc = _spawn(argv + (["--resume"] if trial else []))
+        before = {p for _, p in list_checkpoints(run_dir)}
+        wait_for(lambda: {p for _, p in list_checkpoints(run_dir)} - before, proc)
+        if trial < 4:
+            time.sleep(rng.uniform(0.0, 1.0))
+        else:  # kill while a temporary checkpoint file is being written
+            wait_for(lambda: any(run_dir.glob(".ckpt-*.tmp")), proc, poll=0.0002)
+        os.killpg(proc.pid, signal.SIGKILL)
+        in_write += trial >= 4 and any(run_dir.glob(".ckpt-*.tmp"))
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, "the run ended before the kill; make it longer"
+        latest = latest_checkpoint(run_dir)
+        ckpt = load_checkpoint(latest)  # must load
+        assert ckpt["step"] == int(latest.stem.split("-")[1])
+        kills.append(ckpt["step"])
+    assert kills == sorted(kills) and kills[-1] < steps, kills
+    assert in_write >= 1, "no kill landed inside a checkpoint write"
+    time.sleep(1.05)
+    code, _, err = run_main(argv + ["--resume"])
+    assert code == 0, err
+    assert not list(run_dir.glob(".*tmp"))
+    assert_same_run(tmp_path / "ref" / "rope-seed0", run_dir, steps)
+    print(f"killed at steps {kills}; {in_write} of the last two kills inside a write")
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_non_finite_stops_at_that_step_and_names_the_last_good_checkpoint(
+        tmp_path, corpus, monkeypatch, where):
+    """NaN logits (so a NaN loss) or a NaN gradient only, injected at step 5."""
+    forward, calls = PerformerLM.forward, {"n": 0}
+
+    def poisoned(self, x, *a, **kw):
+        logits = forward(self, x, *a, **kw)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 5:
+                if where == "loss":
+                    return logits * float("nan")
+                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
+        return logits
+
+    monkeypatch.setattr(PerformerLM, "forward", poisoned)
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    code, _, err = run_main(common(corpus, tmp_path, 10, "--out", str(tmp_path / "runs"),
+                                   "--checkpoint-every", "2"))
+    assert code == train.EXIT_NONFINITE
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and "error:" in lines[-1]
+    assert f"non-finite {'loss' if where == 'loss' else 'gradient norm'} at step 5" in lines[-1]
+    assert "ckpt-00000004.pt" in lines[-1]
+    assert [s for s, _ in list_checkpoints(run_dir)] == [2, 4]  # nothing saved after the NaN
+    assert max(s for s, _ in raw_losses(run_dir)) == 4
+    ckpt = load_checkpoint(latest_checkpoint(run_dir))
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+class Exploit:
+    """Unpickling this calls ``open(marker, "w")``: a stand-in for any code execution."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path, corpus):
+    marker = tmp_path / "pwned"
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    run_dir.mkdir(parents=True)
+    evil = checkpoint.checkpoint_path(run_dir, 3)
+    torch.save({"model": {"w": torch.zeros(1)}, "step": 3, "config": Exploit(marker)}, evil)
+
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_checkpoint(evil)
+    # resuming a run whose newest checkpoint is the exploit
+    code, _, err = run_main(common(corpus, tmp_path, 6, "--out", str(tmp_path / "runs"), "--resume"))
+    assert code == 2 and "refusing to load" in err and len(err.strip().splitlines()) == 1
+    # sampling from it, as a process
+    proc = subprocess.run([sys.executable, "-m", "linear_rope.sample", str(run_dir)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "refusing to load" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not marker.exists()  # the code never ran
+    assert evil.exists()  # and the file is left for inspection
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "ckpt-00000001.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "step": 1, "config": {}}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="corrupt, truncated"):
+        load_checkpoint(path)
