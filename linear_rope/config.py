@@ -19,6 +19,13 @@ class ConfigError(ValueError):
     """A run the model rejects or a --resume that does not match its checkpoint (CLI: exit 2)."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line on stderr (exit 2), without the usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
 @dataclass
 class TrainConfig:
     steps: int = 2000  # optimizer steps in total
@@ -135,7 +142,7 @@ def _add_fields(group, cls, skip, presets: dict[str, dict]):
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 epilog="Model and training flags override the preset's values.")
     p.add_argument("--preset", choices=sorted(TRAIN_PRESETS), default="cpu",
                    help="named model + train config (default cpu)")

@@ -45,6 +45,14 @@ class ModelConfig:
             raise ValueError(f"feature_redraw_interval must be >= 0, got {self.feature_redraw_interval}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.nb_features is not None and self.nb_features < 1:
+            raise ValueError(f"nb_features must be >= 1 or None, got {self.nb_features}")
+        if self.position == "rope" and self.nb_features is not None and self.nb_features % 2:
+            raise ValueError(f"nb_features: rope rotates the features, so m must be even, "
+                             f"got {self.nb_features}")
+        if self.position == "rope_pre" and self.dim_head % 2:
+            raise ValueError(f"dim_head: rope_pre rotates q and k, so it must be even, "
+                             f"got {self.dim_head}")
 
 
 MODEL_PRESETS: dict[str, dict] = {

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from .config import OneLineParser
 from .model import ModelConfig, PerformerLM
 
 __all__ = ["load_model", "main"]
@@ -42,7 +43,7 @@ def load_model(path, device: str = "cpu") -> PerformerLM:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a ckpt-<step>.pt file, or a run directory (its newest)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None,
