@@ -1,0 +1,110 @@
+"""Numbers behind the results figures: RoPE's decay bound, Eq. 19 weights, length extrapolation,
+and TensorBoard curves as plain tables. No plotting here (see ``linear_rope.plots``).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from . import data
+from .model import PerformerLM
+from .rotary import apply_rotary
+
+__all__ = ["rope_decay_bound", "eq19_weights", "bpc_at_lengths", "read_scalars", "steps_to_reach"]
+
+
+def rope_decay_bound(dim: int, max_distance: int, base: float = 10000.0) -> torch.Tensor:
+    """RoFormer Fig. 2: ``(1 / (dim/2)) sum_{j=1}^{dim/2} |S_j|`` at relative distances
+    ``0..max_distance``, with ``S_j = sum_{k=0}^{j-1} exp(i r theta_k)``, ``theta_k =
+    base^(-2k/dim)`` (Sec. 3.4.3). By Abel summation the RoPE inner product is bounded by
+    ``max_k |h_{k+1} - h_k|`` times this sum, which decays with the distance r.
+
+    Returns float64 `[max_distance + 1]`.
+    """
+    if dim < 2 or dim % 2:
+        raise ValueError(f"dim must be even and >= 2, got {dim}")
+    if max_distance < 0:
+        raise ValueError(f"max_distance must be >= 0, got {max_distance}")
+    theta = base ** (-2.0 * torch.arange(dim // 2, dtype=torch.float64) / dim)
+    r = torch.arange(max_distance + 1, dtype=torch.float64)
+    z = torch.polar(torch.ones(len(r), len(theta), dtype=torch.float64), r[:, None] * theta)
+    return z.cumsum(-1).abs().mean(-1)  # mean over j of |S_j|
+
+
+@torch.no_grad()
+def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
+                 head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The effective causal weight matrix of one head, and its row sums.
+
+    ``W[m, n] = (R_m phi(q_m))^T (R_n phi(k_n)) / sum_{n' <= m} phi(q_m)^T phi(k_{n'})`` for
+    ``n <= m`` (Eq. 19; without ``R`` for the other variants, whose rows sum to 1), so that the
+    head's output is ``W @ v``. ids: `[N]` bytes. Returns float64 ``W`` `[N, N]` and `[N]` sums.
+    """
+    if not 0 <= layer < len(model.blocks):
+        raise ValueError(f"layer must be in [0, {len(model.blocks)}), got {layer}")
+    attn = model.blocks[layer].attn
+    if not 0 <= head < attn.heads:
+        raise ValueError(f"head must be in [0, {attn.heads}), got {head}")
+    seen = {}
+    hook = attn.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    was_training = model.training
+    try:
+        model.eval()
+        model(ids.reshape(1, -1).long())
+    finally:
+        hook.remove()
+        model.train(was_training)
+    fq, fk, _ = attn._features(seen["x"], 0)  # (1, H, N, m), non-negative
+    fq, fk = fq[0, head].double(), fk[0, head].double()
+    den = (fq @ fk.T).tril().sum(-1, keepdim=True)  # unrotated, as in Eq. 19
+    if attn.position == "rope":
+        fq, fk = apply_rotary(fq, base=attn.base), apply_rotary(fk, base=attn.base)
+    w = (fq @ fk.T).tril() / den
+    return w, w.sum(-1)
+
+
+@torch.no_grad()
+def bpc_at_lengths(model: PerformerLM, split, lengths: list[int], tokens_per_batch: int = 8192,
+                   device: str | torch.device = "cpu") -> dict[int, float | None]:
+    """BPC over the whole split with non-overlapping windows of each length (no context carried
+    across windows). ``None`` where the model cannot run that length (the ``absolute`` table)."""
+    out = {}
+    was_training = model.training
+    model.eval()
+    for n in lengths:
+        if model.pos_emb is not None and n > model.cfg.seq_len:
+            out[n] = None
+            continue
+        nats = 0.0
+        for x, y in data.eval_batches(split, n, max(1, tokens_per_batch // n)):
+            logits = model(x.to(device))
+            nats += torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
+        out[n] = nats / data.count_eval_bytes(split) / math.log(2)
+    model.train(was_training)
+    return out
+
+
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run as TensorBoard shows it (restarts purged), sorted by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(Path(run_dir)), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {t: sorted((e.step, e.value) for e in ea.Scalars(t)) for t in ea.Tags()["scalars"]}
+
+
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
+    """First step where a decreasing curve reaches ``target``, linearly interpolated between
+    logged points; ``None`` if it never does."""
+    prev = None
+    for step, value in curve:
+        if value <= target:
+            if prev is None or prev[1] == value:
+                return float(step)
+            (s0, v0) = prev
+            return s0 + (v0 - target) / (v0 - value) * (step - s0)
+        prev = (step, value)
+    return None

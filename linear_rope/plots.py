@@ -1,0 +1,299 @@
+"""Results tables and figures from finished runs (matplotlib: ``pip install -e ".[plot]"``).
+
+    python -m linear_rope.plots decay --out results            # RoFormer Fig. 2, d=64 and m=266
+    python -m linear_rope.plots all --runs runs/results \\
+        --data ../shared/data/enwiki-sample.xml.bz2 --out results
+
+``all`` runs, in order: ``export`` (each run's TensorBoard scalars to ``curves/<run>.csv``),
+``extrapolate`` (test BPC of every final model at windows L, 2L, 4L, 8L), ``attention`` (the
+Eq. 19 weight matrix of one head and the row sums of every head, per variant, as PNGs and as
+TensorBoard images in the run), ``decay`` and ``summary`` (``summary.json`` and the val-BPC
+figure with mean +- std bands). Every figure is drawn from the CSV / JSON written beside it.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from . import analysis, data
+from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from .config import OneLineParser
+from .sample import load_model
+
+RUN = re.compile(r"^(?P<variant>[a-z_]+)-seed(?P<seed>\d+)$")
+COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_pre": "tab:green"}
+TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc")
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit('linear_rope.plots: error: matplotlib is not installed; '
+                         'pip install -e ".[plot]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def find_runs(runs: Path) -> dict[str, tuple[str, int]]:
+    """``{run name: (variant, seed)}`` for every finished-or-not run dir under ``runs``."""
+    found = {p.name: (m["variant"], int(m["seed"])) for p in sorted(runs.iterdir())
+             if p.is_dir() and (m := RUN.match(p.name))}
+    if not found:
+        raise SystemExit(f"linear_rope.plots: error: no <variant>-seed<k> runs in {runs}")
+    return found
+
+
+def write_csv(path: Path, header: list[str], rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def export(runs: Path, out: Path) -> None:
+    """One wide CSV per run: step, then one column per tag (empty where not logged)."""
+    for name in find_runs(runs):
+        scalars = analysis.read_scalars(runs / name)
+        steps = sorted({s for tag in TAGS for s, _ in scalars.get(tag, [])})
+        by_tag = {tag: dict(scalars.get(tag, [])) for tag in TAGS}
+        write_csv(out / "curves" / f"{name}.csv", ["step", *TAGS],
+                  ([s, *(f"{by_tag[t][s]:.6g}" if s in by_tag[t] else "" for t in TAGS)]
+                   for s in steps))
+    print(f"wrote {out / 'curves'}/*.csv", file=sys.stderr)
+
+
+def _final_models(runs: Path):
+    for name, (variant, seed) in find_runs(runs).items():
+        try:
+            path = resolve_checkpoint(runs / name)
+            yield name, variant, seed, path, load_model(path)
+        except CheckpointError as e:
+            print(f"skipping {name}: {e}", file=sys.stderr)
+
+
+def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2, 4, 8)) -> None:
+    test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
+    rows = []
+    for name, variant, seed, path, model in _final_models(runs):
+        L = model.cfg.seq_len
+        bpc = analysis.bpc_at_lengths(model, test, [f * L for f in factors])
+        rows.append([name, variant, seed, load_checkpoint(path)["step"],
+                     *("" if bpc[f * L] is None else f"{bpc[f * L]:.5f}" for f in factors)])
+        print(f"{name}: " + ", ".join(f"{f}L {bpc[f * L]}" for f in factors), file=sys.stderr)
+    write_csv(out / "extrapolation.csv", ["run", "variant", "seed", "step",
+                                          *(f"bpc_{f}L" for f in factors)], rows)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    by_variant = defaultdict(list)
+    for r in read_csv(out / "extrapolation.csv"):
+        by_variant[r["variant"]].append(r)
+    for variant, rs in sorted(by_variant.items()):
+        cols = [c for c in rs[0] if c.startswith("bpc_") and all(r[c] for r in rs)]
+        xs = [int(c[4:-1]) for c in cols]
+        means = [statistics.mean(float(r[c]) for r in rs) for c in cols]
+        ax.plot(xs, means, "o-", color=COLORS.get(variant), label=f"{variant} (n={len(rs)})")
+    ax.set(xscale="log", xlabel="eval window / training length L", ylabel="test BPC",
+           title="Length extrapolation (mean over seeds)")
+    ax.set_xticks([1, 2, 4, 8], ["L", "2L", "4L", "8L"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "extrapolation.png", dpi=120)
+    plt.close(fig)
+
+
+def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | None = None,
+              head: int = 0) -> None:
+    """Seed 0 of each variant, the first test window: one head's W and all heads' row sums."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    plt = _plt()
+    test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
+    models = [m for m in _final_models(runs) if m[2] == 0]
+    rows, sums = [], {}
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 4), squeeze=False)
+    for ax, (name, variant, _, _, model) in zip(axes[0], models):
+        L, li = model.cfg.seq_len, model.cfg.depth // 2 if layer is None else layer
+        ids = torch.from_numpy(test[:L].astype("int64"))
+        per_head = [analysis.eq19_weights(model, ids, li, h) for h in range(model.cfg.heads)]
+        w, _ = per_head[head]
+        sums[variant] = torch.stack([s for _, s in per_head])  # (H, N)
+        rows += [[variant, li, h, n, f"{s[n].item():.6f}"] for h, (_, s) in enumerate(per_head)
+                 for n in range(L)]
+        lim = w.abs().max().item()
+        im = ax.imshow(w.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+        ax.set(title=f"{variant}: layer {li}, head {head}", xlabel="key n", ylabel="query m")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        with SummaryWriter(runs / name) as writer:  # beside the run's curves in TensorBoard
+            img = (w / lim + 1) / 2  # [-lim, lim] -> [0, 1]
+            writer.add_image(f"attention/eq19_weights_layer{li}_head{head}", img[None].float(),
+                             load_checkpoint(resolve_checkpoint(runs / name))["step"])
+    fig.tight_layout()
+    fig.savefig(out / "attention_weights.png", dpi=120)
+    plt.close(fig)
+    write_csv(out / "attention_rowsums.csv", ["variant", "layer", "head", "position", "row_sum"], rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant, s in sorted(sums.items()):
+        ax.plot(s.mean(0).numpy(), color=COLORS.get(variant), label=f"{variant} (mean of heads)")
+        ax.fill_between(range(s.shape[1]), s.min(0).values.numpy(), s.max(0).values.numpy(),
+                        color=COLORS.get(variant), alpha=0.15)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set(xlabel="query position m", ylabel="sum_n W[m, n]",
+           title="Row sums of the attention weights (band: min-max over heads)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "attention_rowsums.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}/attention_*.png", file=sys.stderr)
+
+
+def decay(out: Path, dims=(64, 266), max_distance: int = 1024) -> None:
+    bounds = {d: analysis.rope_decay_bound(d, max_distance) for d in dims}
+    write_csv(out / "decay.csv", ["distance", *(f"bound_d{d}" for d in dims)],
+              ([r, *(f"{bounds[d][r].item():.6f}" for d in dims)] for r in range(max_distance + 1)))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in dims:
+        ax.plot(bounds[d].numpy(), label=f"d = {d}" + (" (head dim)" if d == 64 else
+                                                       " (features m, rotated by Eq. 19)"))
+    ax.set(xlabel="relative distance", ylabel="relative upper bound: mean_j |S_j|",
+           title="Long-term decay of RoPE (RoFormer Fig. 2)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "decay.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}/decay.csv, decay.png", file=sys.stderr)
+
+
+def _mean_std(xs: list[float]) -> dict:
+    return {"mean": statistics.mean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "n": len(xs), "values": xs}
+
+
+def summary(runs: Path, out: Path) -> dict:
+    """summary.json from the exported curves (and extrapolation.csv when present); val figure."""
+    curves = {name: read_csv(out / "curves" / f"{name}.csv") for name in find_runs(runs)}
+    variants = defaultdict(dict)
+    for name, (variant, seed) in find_runs(runs).items():
+        variants[variant][seed] = curves[name]
+
+    def col(rows, tag):
+        return [(int(r["step"]), float(r[tag])) for r in rows if r[tag]]
+
+    result = {"variants": {}}
+    none_final = None
+    if "none" in variants:
+        none_final = statistics.mean(col(rs, "val/bpc")[-1][1] for rs in variants["none"].values())
+    for variant, seeds in sorted(variants.items()):
+        val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
+        test = [col(rs, "test/bpc")[-1][1] for rs in seeds.values() if col(rs, "test/bpc")]
+        entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
+                 "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None}
+        if none_final is not None:
+            entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
+                                                for rs in seeds.values()]
+            entry["steps_to_none_final_val_smoothed_train"] = [
+                analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
+                for rs in seeds.values()]
+        result["variants"][variant] = entry
+    result["none_final_val_bpc_mean"] = none_final
+    if (out / "extrapolation.csv").is_file():
+        ext = defaultdict(lambda: defaultdict(list))
+        for r in read_csv(out / "extrapolation.csv"):
+            for c, v in r.items():
+                if c.startswith("bpc_") and v:
+                    ext[r["variant"]][c[4:]].append(float(v))
+        result["extrapolation_test_bpc"] = {v: {k: _mean_std(xs) for k, xs in d.items()}
+                                            for v, d in ext.items()}
+    if (out / "attention_rowsums.csv").is_file():
+        rs = defaultdict(list)
+        for r in read_csv(out / "attention_rowsums.csv"):
+            rs[r["variant"]].append(float(r["row_sum"]))
+        result["attention_row_sums"] = {v: {"min": min(x), "max": max(x),
+                                            "mean_abs_dev_from_1": statistics.mean(abs(a - 1) for a in x)}
+                                        for v, x in rs.items()}
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for variant, seeds in sorted(variants.items()):
+        for ax, tag in zip(axes, ("val/bpc", "train/bpc")):
+            series = [col(rs, tag) for rs in seeds.values()]
+            if tag == "train/bpc":
+                series = [_smooth(s) for s in series]
+            n = min(len(s) for s in series)
+            steps = [s for s, _ in series[0][:n]]
+            ys = torch.tensor([[v for _, v in s[:n]] for s in series])
+            mean, std = ys.mean(0), ys.std(0) if len(series) > 1 else torch.zeros(n)
+            ax.plot(steps, mean, "o-" if tag == "val/bpc" else "-", ms=3,
+                    color=COLORS.get(variant), label=f"{variant} (n={len(series)})")
+            ax.fill_between(steps, mean - std, mean + std, color=COLORS.get(variant), alpha=0.2)
+    axes[0].set(xlabel="step", ylabel="val BPC (whole split)", title="Validation BPC, mean ± std")
+    axes[1].set(xlabel="step", ylabel="train BPC (EMA 0.9)", title="Training BPC, mean ± std",
+                ylim=(None, 5))
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "val_bpc.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
+    return result
+
+
+def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int, float]]:
+    """Exponential moving average with bias correction (TensorBoard-style smoothing)."""
+    out, avg = [], 0.0
+    for i, (s, v) in enumerate(curve):
+        avg = beta * avg + (1 - beta) * v
+        out.append((s, avg / (1 - beta ** (i + 1))))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m linear_rope.plots", description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "decay", "summary"])
+    p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
+    p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
+                   help="the corpus the runs trained on (for test windows)")
+    p.add_argument("--data-dir", default="data", help="split cache dir (default data)")
+    p.add_argument("--out", default="results", help="where CSV/JSON/PNG files go (default results)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    out, runs = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what != "decay" and not runs.is_dir():
+        p.exit(2, f"{p.prog}: error: --runs {runs} is not a directory\n")
+    try:
+        if args.what in ("all", "export"):
+            export(runs, out)
+        if args.what in ("all", "extrapolate"):
+            extrapolate(runs, out, args.data, args.data_dir)
+        if args.what in ("all", "attention"):
+            attention(runs, out, args.data, args.data_dir)
+        if args.what in ("all", "decay"):
+            decay(out)
+        if args.what in ("all", "summary"):
+            summary(runs, out)
+    except data.DataError as e:
+        p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""linear_rope.analysis and linear_rope.plots: the numbers behind the results and their files."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import run_main
+from linear_rope import analysis, data, plots, train
+from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
+from linear_rope.ops import rotary_linear_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_decay_bound_matches_the_sum_and_decays():
+    d = 8
+    got = analysis.rope_decay_bound(d, 300)
+    theta = [10000 ** (-2 * k / d) for k in range(d // 2)]
+    for r in (0, 1, 17, 300):
+        s = [abs(sum(complex(math.cos(r * t), math.sin(r * t)) for t in theta[:j]))
+             for j in range(1, d // 2 + 1)]
+        assert got[r].item() == pytest.approx(sum(s) / len(s), rel=1e-12)
+    assert got[0].item() == pytest.approx((d // 2 + 1) / 2)  # |S_j| = j at distance 0
+    for dim in (64, 266):
+        b = analysis.rope_decay_bound(dim, 1024)
+        assert b[256:].max() < 0.45 * b[0] and b[256:].mean() < 0.25 * b[0]  # the long-term decay
+    with pytest.raises(ValueError, match="even"):
+        analysis.rope_decay_bound(7, 10)
+
+
+@pytest.mark.parametrize("position", ["rope", "rope_pre", "none", "absolute"])
+def test_eq19_weights_reproduce_the_layer_and_their_row_sums(position):
+    torch.manual_seed(0)
+    model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": position})).double()
+    ids = torch.randint(256, (32,))
+    w, sums = analysis.eq19_weights(model, ids, layer=1, head=1)
+    assert w.shape == (32, 32) and torch.equal(w.triu(1), torch.zeros_like(w))
+    torch.testing.assert_close(sums, w.sum(-1), rtol=0, atol=0)
+    if position != "rope":  # normalised attention
+        torch.testing.assert_close(sums, torch.ones(32, dtype=torch.float64), rtol=0, atol=1e-12)
+    # W @ v is the head's attention output
+    seen = {}
+    attn = model.blocks[1].attn
+    h = attn.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    model(ids[None])
+    h.remove()
+    fq, fk, v = attn._features(seen["x"], 0)
+    out = rotary_linear_attention(fq, fk, v, causal=True, rotary=position == "rope")
+    torch.testing.assert_close(w @ v[0, 1], out[0, 1], rtol=1e-10, atol=1e-12)
+
+
+def test_bpc_at_lengths_agrees_with_training_eval_and_refuses_past_the_absolute_table():
+    torch.manual_seed(0)
+    split = torch.randint(256, (3000,), dtype=torch.uint8).numpy()
+    for position in ("rope", "absolute"):
+        model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": position}))
+        got = analysis.bpc_at_lengths(model, split, [32, 64, 256], tokens_per_batch=512)
+        assert got[32] == pytest.approx(train.evaluate(model, split, 32, 16), rel=1e-6)
+        assert (got[64] is None) == (position == "absolute")
+        if position == "rope":
+            assert 7 < got[256] < 9  # ~8 bits for an untrained byte model
+
+
+def test_steps_to_reach_interpolates():
+    curve = [(250, 4.0), (500, 3.0), (750, 2.5)]
+    assert analysis.steps_to_reach(curve, 3.5) == pytest.approx(375)
+    assert analysis.steps_to_reach(curve, 4.5) == 250
+    assert analysis.steps_to_reach(curve, 2.0) is None
+
+
+def test_plots_all_writes_every_file(tmp_path, corpus):
+    pytest.importorskip("matplotlib")
+    runs = tmp_path / "runs"
+    code, _, err = run_main(["--preset", "tiny", "--variants", "rope,none", "--seeds", "0,1",
+                             "--steps", "6", "--eval-every", "3", "--log-every", "1",
+                             "--data", str(corpus), "--data-dir", str(tmp_path / "data"),
+                             "--out", str(runs)])
+    assert code == 0, err
+    out = tmp_path / "results"
+    assert plots.main(["all", "--runs", str(runs), "--data", str(corpus), "--data-dir",
+                       str(tmp_path / "data"), "--out", str(out)]) == 0
+    for name in ("extrapolation.csv", "extrapolation.png", "attention_weights.png",
+                 "attention_rowsums.csv", "attention_rowsums.png", "decay.csv", "decay.png",
+                 "summary.json", "val_bpc.png", "curves/rope-seed1.csv"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    rows = plots.read_csv(out / "curves/rope-seed0.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    assert [r["val/bpc"] != "" for r in rows] == [False, False, True, False, False, True]
+    summary = json.loads((out / "summary.json").read_text())
+    rope = summary["variants"]["rope"]
+    assert rope["seeds"] == [0, 1] and rope["final_val_bpc"]["n"] == 2
+    ckpt_val = [float(plots.read_csv(out / f"curves/rope-seed{s}.csv")[-1]["val/bpc"]) for s in (0, 1)]
+    assert rope["final_val_bpc"]["mean"] == pytest.approx(sum(ckpt_val) / 2)
+    assert set(summary["extrapolation_test_bpc"]["rope"]) == {"1L", "2L", "4L", "8L"}
+    split = data.load_split(data.prepare_corpus(corpus, tmp_path / "data")["test"])
+    assert summary["extrapolation_test_bpc"]["none"]["1L"]["n"] == 2 and len(split) > 0
+    # the Eq. 19 image sits in the run's TensorBoard events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(runs / "rope-seed0"))
+    ea.Reload()
+    assert any(t.startswith("attention/eq19_weights") for t in ea.Tags()["images"])
