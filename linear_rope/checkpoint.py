@@ -10,6 +10,8 @@ tensors, numbers, strings, lists and dicts, and is only ever read with
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pickle
 import re
@@ -18,15 +20,21 @@ from pathlib import Path
 import torch
 
 __all__ = ["CheckpointError", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
-           "save_checkpoint", "load_checkpoint", "resolve_checkpoint"]
+           "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "check_out_dir"]
 
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 LEGACY = "checkpoint.pt"  # the single checkpoint of linear_rope <= 0.1
 REQUIRED = ("model", "step", "config")
+SHAPE_FIELDS = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len",
+                "ff_mult")
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot or must not be loaded (the CLIs print it and exit 2)."""
+
+
+class RunDirError(ValueError):
+    """An --out that holds an earlier or different run (the CLI prints it and exits 2)."""
 
 
 def checkpoint_path(run_dir, step: int) -> Path:
@@ -119,3 +127,38 @@ def resolve_checkpoint(path) -> Path:
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     return path
+
+
+def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
+    """Refuse to write over an earlier run; return the run dirs ``--overwrite`` will clear.
+
+    ``runs``: ``[(name, ModelConfig, TrainConfig)]``. An existing non-empty run dir needs
+    ``--resume`` (same model shape, else refused) or ``--overwrite``.
+    """
+    out = Path(runs[0][2].out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a directory")
+    clear = []
+    for name, mc, _ in runs:
+        run_dir = out / name
+        if not run_dir.is_dir() or not any(run_dir.iterdir()):
+            continue
+        if overwrite:
+            clear.append(run_dir)
+            continue
+        old = None
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            old = json.loads((run_dir / "config.json").read_text())["model"]
+        if old is not None:
+            shape = [f"{k} {old.get(k)!r} vs {getattr(mc, k)!r}" for k in SHAPE_FIELDS
+                     if old.get(k) != getattr(mc, k)]
+            if shape and resume:
+                raise RunDirError(f"cannot resume {run_dir}: its model differs "
+                                  f"({', '.join(shape)})")
+            if shape:
+                raise RunDirError(f"{run_dir} holds a different experiment ({', '.join(shape)}); "
+                                  f"choose another --out, or pass --overwrite to replace it")
+        if not resume:
+            raise RunDirError(f"{run_dir} holds an earlier run; pass --resume to continue it, "
+                              f"--overwrite to replace it, or choose another --out")
+    return clear

@@ -61,7 +61,8 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from . import data
-from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, check_out_dir, latest_checkpoint, list_checkpoints,
+                         load_checkpoint, save_checkpoint)
 from .config import RESUMABLE, TRAIN_PRESETS, ConfigError, TrainConfig, build_parser, configs_from_args, lr_at
 from .model import ModelConfig, PerformerLM
 from .runtime import Dist, StopSignals, init_distributed, param_digest, resume_command
@@ -69,8 +70,6 @@ from .runtime import Dist, StopSignals, init_distributed, param_digest, resume_c
 __all__ = ["TrainConfig", "TRAIN_PRESETS", "lr_at", "build_run", "evaluate", "main"]
 
 FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
-SHAPE_FIELDS = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len",
-                "ff_mult")
 EXIT_NONFINITE = 3
 
 
@@ -176,7 +175,8 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
         torch.set_rng_state(ckpt["rng"]["torch_ranks"][dd.rank] if dd.world > 1
                             else ckpt["rng"]["torch"])
         if dd.device.type == "cuda" and "cuda" in ckpt["rng"]:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda_ranks"][dd.rank] if dd.world > 1
+                                     else ckpt["rng"]["cuda"])
         data_gen.set_state(ckpt["rng"]["data"])
         feature_gen.set_state(ckpt["rng"]["features"])
         if (tc.decay_steps is None and ckpt["config"]["train"]["decay_steps"] is None
@@ -205,21 +205,28 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
               f"{tc.batch_size * tc.grad_accum * dd.world}", file=sys.stderr)
 
     def checkpoint(step: int) -> None:
+        cuda = dd.device.type == "cuda"
         digests, torch_states = [param_digest(model)], [torch.get_rng_state()]
+        cuda_states = [torch.cuda.get_rng_state()] if cuda else []
         if dd.world > 1:  # every rank takes part; identical weights are checked, not assumed
             digests, torch_states = [None] * dd.world, [None] * dd.world
             dist.all_gather_object(digests, param_digest(model))
             dist.all_gather_object(torch_states, torch.get_rng_state())
+            if cuda:
+                cuda_states = [None] * dd.world
+                dist.all_gather_object(cuda_states, torch.cuda.get_rng_state())
             if len(set(digests)) != 1:
                 raise RuntimeError(f"ranks hold different weights at step {step}: {digests}")
         nonlocal last_ckpt
         if dd.lead:
             rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
                    "features": feature_gen.get_state()}
-            if dd.world > 1:
-                rng["torch_ranks"] = torch_states  # each rank's dropout stream
-            if dd.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state()
+            if cuda:
+                rng["cuda"] = cuda_states[0]
+            if dd.world > 1:  # each rank's dropout stream
+                rng["torch_ranks"] = torch_states
+                if cuda:
+                    rng["cuda_ranks"] = cuda_states
             last_ckpt = save_checkpoint(
                 run_dir, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "step": step, "rng": rng, "config": config, "metrics": metrics,
@@ -324,37 +331,6 @@ def write_layout(out: Path) -> None:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
-    """Refuse to write over an earlier run; return the run dirs ``--overwrite`` will clear."""
-    out = Path(runs[0][2].out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory")
-    clear = []
-    for name, mc, _ in runs:
-        run_dir = out / name
-        if not run_dir.is_dir() or not any(run_dir.iterdir()):
-            continue
-        if overwrite:
-            clear.append(run_dir)
-            continue
-        old = None
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            old = json.loads((run_dir / "config.json").read_text())["model"]
-        if old is not None:
-            shape = [f"{k} {old.get(k)!r} vs {getattr(mc, k)!r}" for k in SHAPE_FIELDS
-                     if old.get(k) != getattr(mc, k)]
-            if shape and resume:
-                raise ConfigError(f"cannot resume {run_dir}: its model differs "
-                                  f"({', '.join(shape)})")
-            if shape:
-                raise ConfigError(f"{run_dir} holds a different experiment ({', '.join(shape)}); "
-                                  f"choose another --out, or pass --overwrite to replace it")
-        if not resume:
-            raise ConfigError(f"{run_dir} holds an earlier run; pass --resume to continue it, "
-                              f"--overwrite to replace it, or choose another --out")
-    return clear
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
