@@ -166,13 +166,17 @@ def decay(out: Path, dims=(64, 266), max_distance: int = 1024) -> None:
     write_csv(out / "decay.csv", ["distance", *(f"bound_d{d}" for d in dims)],
               ([r, *(f"{bounds[d][r].item():.6f}" for d in dims)] for r in range(max_distance + 1)))
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for d in dims:
-        ax.plot(bounds[d].numpy(), label=f"d = {d}" + (" (head dim)" if d == 64 else
-                                                       " (features m, rotated by Eq. 19)"))
-    ax.set(xlabel="relative distance", ylabel="relative upper bound: mean_j |S_j|",
-           title="Long-term decay of RoPE (RoFormer Fig. 2)")
-    ax.legend()
+        label = f"d = {d}" + (" (head dim)" if d == 64 else " (features m, rotated by Eq. 19)")
+        axes[0].plot(bounds[d].numpy(), label=label)
+        axes[1].plot(range(1, max_distance + 1), (bounds[d][1:] / bounds[d][0]).numpy(), label=label)
+    axes[0].set(xlabel="relative distance", ylabel="relative upper bound: mean_j |S_j|",
+                title="Long-term decay of RoPE (RoFormer Fig. 2)")
+    axes[1].set(xscale="log", xlabel="relative distance", ylabel="bound / bound at distance 0",
+                title="Normalised by the value at distance 0")
+    for ax in axes:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out / "decay.png", dpi=120)
     plt.close(fig)
