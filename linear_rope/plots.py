@@ -44,11 +44,23 @@ def _plt():
 
 
 def find_runs(runs: Path) -> dict[str, tuple[str, int]]:
-    """``{run name: (variant, seed)}`` for every finished-or-not run dir under ``runs``."""
-    found = {p.name: (m["variant"], int(m["seed"])) for p in sorted(runs.iterdir())
-             if p.is_dir() and (m := RUN.match(p.name))}
+    """``{run name: (variant, seed)}`` for every *finished* run dir under ``runs`` (its newest
+    checkpoint is at the configured ``steps``); unfinished runs are listed and left out."""
+    found = {}
+    for p in sorted(runs.iterdir()):
+        if not (p.is_dir() and (m := RUN.match(p.name))):
+            continue
+        try:
+            ckpt = load_checkpoint(resolve_checkpoint(p))
+            done = ckpt["step"] >= ckpt["config"]["train"]["steps"]
+        except CheckpointError:
+            done = False
+        if done:
+            found[p.name] = (m["variant"], int(m["seed"]))
+        else:
+            print(f"leaving out {p.name}: not finished", file=sys.stderr)
     if not found:
-        raise SystemExit(f"linear_rope.plots: error: no <variant>-seed<k> runs in {runs}")
+        raise SystemExit(f"linear_rope.plots: error: no finished <variant>-seed<k> runs in {runs}")
     return found
 
 
@@ -117,8 +129,9 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
 
 
 def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | None = None,
-              head: int = 0) -> None:
-    """Seed 0 of each variant, the first test window: one head's W and all heads' row sums."""
+              head: int = 0, windows: int = 16) -> None:
+    """Seed 0 of each variant, middle layer: one head's W on the first test window, and every
+    head's row sums, averaged over the first ``windows`` test windows."""
     from torch.utils.tensorboard import SummaryWriter
 
     plt = _plt()
@@ -128,18 +141,25 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 4), squeeze=False)
     for ax, (name, variant, _, _, model) in zip(axes[0], models):
         L, li = model.cfg.seq_len, model.cfg.depth // 2 if layer is None else layer
-        ids = torch.from_numpy(test[:L].astype("int64"))
-        per_head = [analysis.eq19_weights(model, ids, li, h) for h in range(model.cfg.heads)]
-        w, _ = per_head[head]
-        sums[variant] = torch.stack([s for _, s in per_head])  # (H, N)
-        rows += [[variant, li, h, n, f"{s[n].item():.6f}"] for h, (_, s) in enumerate(per_head)
+        acc = torch.zeros(model.cfg.heads, L, dtype=torch.float64)
+        for i in range(windows):
+            ids = torch.from_numpy(test[i * L:(i + 1) * L].astype("int64"))
+            for h in range(model.cfg.heads):
+                wh, s = analysis.eq19_weights(model, ids, li, h)
+                acc[h] += s / windows
+                if i == 0 and h == head:
+                    w = wh
+        sums[variant] = acc  # (H, N)
+        rows += [[variant, li, h, n, f"{acc[h, n].item():.6f}"] for h in range(model.cfg.heads)
                  for n in range(L)]
-        lim = w.abs().max().item()
+        lim = w.tril().abs().flatten().quantile(0.99).item()  # a few spikes would wash it out
         im = ax.imshow(w.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
-        ax.set(title=f"{variant}: layer {li}, head {head}", xlabel="key n", ylabel="query m")
+        ax.set(xlabel="key n", ylabel="query m")
         fig.colorbar(im, ax=ax, shrink=0.8)
+        ax.set_title(f"{variant}: layer {li}, head {head}\n(colours clipped at the 99th pct of |W|)",
+                     fontsize=10)
         with SummaryWriter(runs / name) as writer:  # beside the run's curves in TensorBoard
-            img = (w / lim + 1) / 2  # [-lim, lim] -> [0, 1]
+            img = ((w / lim).clamp(-1, 1) + 1) / 2  # [-lim, lim] -> [0, 1]
             writer.add_image(f"attention/eq19_weights_layer{li}_head{head}", img[None].float(),
                              load_checkpoint(resolve_checkpoint(runs / name))["step"])
     fig.tight_layout()
@@ -152,8 +172,9 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
         ax.fill_between(range(s.shape[1]), s.min(0).values.numpy(), s.max(0).values.numpy(),
                         color=COLORS.get(variant), alpha=0.15)
     ax.axhline(1.0, color="k", lw=0.5)
-    ax.set(xlabel="query position m", ylabel="sum_n W[m, n]",
-           title="Row sums of the attention weights (band: min-max over heads)")
+    ax.set(xlabel="query position m", ylabel="sum_n W[m, n]")
+    ax.set_title(f"Row sums of W, layer {li}: mean of {windows} test windows\n"
+                 f"(line: mean of heads; band: min-max over heads)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "attention_rowsums.png", dpi=120)
