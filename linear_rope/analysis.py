@@ -12,7 +12,8 @@ from . import data
 from .model import PerformerLM
 from .rotary import apply_rotary
 
-__all__ = ["rope_decay_bound", "eq19_weights", "bpc_at_lengths", "read_scalars", "steps_to_reach"]
+__all__ = ["rope_decay_bound", "eq19_weights", "bpc_at_lengths", "read_scalars", "wall_seconds",
+           "steps_to_reach"]
 
 
 def rope_decay_bound(dim: int, max_distance: int, base: float = 10000.0) -> torch.Tensor:
@@ -87,13 +88,25 @@ def bpc_at_lengths(model: PerformerLM, split, lengths: list[int], tokens_per_bat
     return out
 
 
-def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag of a run as TensorBoard shows it (restarts purged), sorted by step."""
+def _events(run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(Path(run_dir)), size_guidance={"scalars": 0})
     ea.Reload()
+    return ea
+
+
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run as TensorBoard shows it (restarts purged), sorted by step."""
+    ea = _events(run_dir)
     return {t: sorted((e.step, e.value) for e in ea.Scalars(t)) for t in ea.Tags()["scalars"]}
+
+
+def wall_seconds(run_dir) -> float:
+    """Seconds from the run's first to its last logged scalar (training and evals)."""
+    ea = _events(run_dir)
+    times = [e.wall_time for t in ea.Tags()["scalars"] for e in ea.Scalars(t)]
+    return max(times) - min(times) if times else 0.0
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:

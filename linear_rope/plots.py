@@ -227,6 +227,8 @@ def summary(runs: Path, out: Path) -> dict:
         val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
         test = [col(rs, "test/bpc")[-1][1] for rs in seeds.values() if col(rs, "test/bpc")]
         entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
+                 "wall_minutes": [round(analysis.wall_seconds(runs / f"{variant}-seed{s}") / 60, 1)
+                                  for s in seeds],
                  "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None}
         if none_final is not None:
             entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
