@@ -91,24 +91,36 @@ def export(runs: Path, out: Path) -> None:
 
 def _final_models(runs: Path):
     for name, (variant, seed) in find_runs(runs).items():
-        try:
-            path = resolve_checkpoint(runs / name)
-            yield name, variant, seed, path, load_model(path)
-        except CheckpointError as e:
-            print(f"skipping {name}: {e}", file=sys.stderr)
+        path = resolve_checkpoint(runs / name)
+        yield name, variant, seed, path, load_model(path)
 
 
 def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2, 4, 8)) -> None:
+    """Test BPC of every finished run at windows of f * L. 1L is the run's own final test BPC
+    (the same protocol: whole split, non-overlapping windows of L). Rows already in
+    ``extrapolation.csv`` for the same run and step are kept, so this can run as runs finish."""
     test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
+    header = ["run", "variant", "seed", "step", *(f"bpc_{f}L" for f in factors)]
+    done = {}
+    if (out / "extrapolation.csv").is_file():
+        done = {(r["run"], r["step"]): [r[h] for h in header]
+                for r in read_csv(out / "extrapolation.csv") if list(r) == header}
     rows = []
-    for name, variant, seed, path, model in _final_models(runs):
+    for name, (variant, seed) in find_runs(runs).items():
+        path = resolve_checkpoint(runs / name)
+        ckpt = load_checkpoint(path)
+        if (name, str(ckpt["step"])) in done:
+            rows.append(done[(name, str(ckpt["step"]))])
+            continue
+        model = load_model(path)
         L = model.cfg.seq_len
-        bpc = analysis.bpc_at_lengths(model, test, [f * L for f in factors])
-        rows.append([name, variant, seed, load_checkpoint(path)["step"],
+        bpc = {L: ckpt["metrics"]["test_bpc"],
+               **analysis.bpc_at_lengths(model, test, [f * L for f in factors if f != 1])}
+        rows.append([name, variant, seed, ckpt["step"],
                      *("" if bpc[f * L] is None else f"{bpc[f * L]:.5f}" for f in factors)])
+        write_csv(out / "extrapolation.csv", header, rows)  # progress survives an interruption
         print(f"{name}: " + ", ".join(f"{f}L {bpc[f * L]}" for f in factors), file=sys.stderr)
-    write_csv(out / "extrapolation.csv", ["run", "variant", "seed", "step",
-                                          *(f"bpc_{f}L" for f in factors)], rows)
+    write_csv(out / "extrapolation.csv", header, rows)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     by_variant = defaultdict(list)
