@@ -7,8 +7,9 @@
 ``all`` runs, in order: ``export`` (each run's TensorBoard scalars to ``curves/<run>.csv``),
 ``extrapolate`` (test BPC of every final model at windows L, 2L, 4L, 8L), ``attention`` (the
 Eq. 19 weight matrix of one head and the row sums of every head, per variant, as PNGs and as
-TensorBoard images in the run), ``decay`` and ``summary`` (``summary.json`` and the val-BPC
-figure with mean +- std bands). Every figure is drawn from the CSV / JSON written beside it.
+TensorBoard images in the run), ``decay``, ``summary`` (``summary.json`` and the val-BPC
+figure with mean +- std bands) and ``tables`` (the README's markdown tables, printed). Every
+figure is drawn from the CSV / JSON written beside it.
 """
 from __future__ import annotations
 
@@ -293,6 +294,48 @@ def summary(runs: Path, out: Path) -> dict:
     return result
 
 
+def tables(out: Path) -> str:
+    """The README's results tables (markdown) from ``summary.json``."""
+    s = json.loads((out / "summary.json").read_text())
+
+    def ms(d, digits=3):
+        return "–" if not d else (f"{d['mean']:.{digits}f} ± {d['std']:.{digits}f}" if d["n"] > 1
+                                  else f"{d['mean']:.{digits}f}")
+
+    order = [v for v in ("rope", "rope_pre", "absolute", "none") if v in s["variants"]]
+    lines = ["| variant | seeds | final val BPC | final test BPC | steps to reach `none`'s final "
+             "val BPC (val curve / smoothed train curve) | minutes per run |",
+             "|---|---|---|---|---|---|"]
+    for v in order:
+        e = s["variants"][v]
+
+        def reach(key):
+            xs = e.get(key) or []
+            return ", ".join("never" if x is None else f"{x:.0f}" for x in xs) or "–"
+        lines.append(f"| `{v}` | {len(e['seeds'])} | {ms(e['final_val_bpc'])} | "
+                     f"{ms(e['final_test_bpc'])} | {reach('steps_to_none_final_val')} / "
+                     f"{reach('steps_to_none_final_val_smoothed_train')} | "
+                     f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
+    ext = s.get("extrapolation_test_bpc")
+    if ext:
+        cols = ["1L", "2L", "4L", "8L"]
+        lines += ["", "| variant | " + " | ".join(f"test BPC at {c}" for c in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for v in order:
+            if v in ext:
+                lines.append(f"| `{v}` | " + " | ".join(ms(ext[v].get(c)) for c in cols) + " |")
+    rs = s.get("attention_row_sums")
+    if rs:
+        lines += ["", "| variant (seed 0, middle layer) | min row sum | max row sum | "
+                  "mean abs(row sum − 1) |", "|---|---|---|---|"]
+        for v in order:
+            if v in rs:
+                r = rs[v]
+                lines.append(f"| `{v}` | {r['min']:.3f} | {r['max']:.3f} | "
+                             f"{r['mean_abs_dev_from_1']:.3f} |")
+    return "\n".join(lines)
+
+
 def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int, float]]:
     """Exponential moving average with bias correction (TensorBoard-style smoothing)."""
     out, avg = [], 0.0
@@ -304,7 +347,8 @@ def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m linear_rope.plots", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "decay", "summary"])
+    p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "decay", "summary",
+                                    "tables"])
     p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
     p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
                    help="the corpus the runs trained on (for test windows)")
@@ -329,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             decay(out)
         if args.what in ("all", "summary"):
             summary(runs, out)
+        if args.what in ("all", "tables"):
+            print(tables(out))
     except data.DataError as e:
         p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
     return 0

@@ -97,6 +97,8 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     assert set(summary["extrapolation_test_bpc"]["rope"]) == {"1L", "2L", "4L", "8L"}
     split = data.load_split(data.prepare_corpus(corpus, tmp_path / "data")["test"])
     assert summary["extrapolation_test_bpc"]["none"]["1L"]["n"] == 2 and len(split) > 0
+    table = plots.tables(out)
+    assert "| `rope` | 2 |" in table and "test BPC at 8L" in table and "mean abs(row sum" in table
     # the Eq. 19 image sits in the run's TensorBoard events
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(str(runs / "rope-seed0"))
