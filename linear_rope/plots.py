@@ -65,6 +65,14 @@ def find_runs(runs: Path) -> dict[str, tuple[str, int]]:
     return found
 
 
+def _save(fig, path: Path, legend_axes=()) -> None:
+    for ax in legend_axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+
+
 def write_csv(path: Path, header: list[str], rows) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
@@ -135,10 +143,7 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
     ax.set(xscale="log", xlabel="eval window / training length L", ylabel="test BPC",
            title="Length extrapolation (mean over seeds)")
     ax.set_xticks([1, 2, 4, 8], ["L", "2L", "4L", "8L"])
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "extrapolation.png", dpi=120)
-    plt.close(fig)
+    _save(fig, out / "extrapolation.png", [ax])
 
 
 def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | None = None,
@@ -175,9 +180,7 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
             img = ((w / lim).clamp(-1, 1) + 1) / 2  # [-lim, lim] -> [0, 1]
             writer.add_image(f"attention/eq19_weights_layer{li}_head{head}", img[None].float(),
                              load_checkpoint(resolve_checkpoint(runs / name))["step"])
-    fig.tight_layout()
-    fig.savefig(out / "attention_weights.png", dpi=120)
-    plt.close(fig)
+    _save(fig, out / "attention_weights.png")
     write_csv(out / "attention_rowsums.csv", ["variant", "layer", "head", "position", "row_sum"], rows)
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant, s in sorted(sums.items()):
@@ -188,10 +191,7 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
     ax.set(xlabel="query position m", ylabel="sum_n W[m, n]")
     ax.set_title(f"Row sums of W, layer {li}: mean of {windows} test windows\n"
                  f"(line: mean of heads; band: min-max over heads)", fontsize=10)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "attention_rowsums.png", dpi=120)
-    plt.close(fig)
+    _save(fig, out / "attention_rowsums.png", [ax])
     print(f"wrote {out}/attention_*.png", file=sys.stderr)
 
 
@@ -209,11 +209,7 @@ def decay(out: Path, dims=(64, 266), max_distance: int = 1024) -> None:
                 title="Long-term decay of RoPE (RoFormer Fig. 2)")
     axes[1].set(xscale="log", xlabel="relative distance", ylabel="bound / bound at distance 0",
                 title="Normalised by the value at distance 0")
-    for ax in axes:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "decay.png", dpi=120)
-    plt.close(fig)
+    _save(fig, out / "decay.png", axes)
     print(f"wrote {out}/decay.csv, decay.png", file=sys.stderr)
 
 
@@ -285,11 +281,7 @@ def summary(runs: Path, out: Path) -> dict:
     axes[0].set(xlabel="step", ylabel="val BPC (whole split)", title="Validation BPC, mean ± std")
     axes[1].set(xlabel="step", ylabel="train BPC (EMA 0.9)", title="Training BPC, mean ± std",
                 ylim=(None, 5))
-    for ax in axes:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "val_bpc.png", dpi=120)
-    plt.close(fig)
+    _save(fig, out / "val_bpc.png", axes)
     print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
     return result
 

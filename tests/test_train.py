@@ -1,7 +1,6 @@
 """End-to-end tests of linear_rope.train: runs, TensorBoard tags, checkpoints, resume, seeding."""
 from __future__ import annotations
 
-import bz2
 import contextlib
 import io
 import json
@@ -38,28 +37,13 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads fight other jobs (~5x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory) -> Path:
+def small_corpus(corpus) -> Path:
     """64 KB cut from the shared sample (val and test: 3.2 KB each), or synthetic text without it."""
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    if SAMPLE.is_file():
-        with bz2.open(SAMPLE, "rb") as f:
-            path.write_bytes(f.read(1 << 16))
-    else:
-        g = torch.Generator().manual_seed(0)
-        words = [b"the", b"of", b"rotary", b"linear", b"attention", b"\xc3\xa9t\xc3\xa9", b"\n"]
-        idx = torch.randint(len(words), (12_000,), generator=g).tolist()
-        path.write_bytes(b" ".join(words[i] for i in idx))
-    return path
+    return corpus
 
 
 @pytest.fixture(scope="module")
