@@ -217,7 +217,6 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
                 dist.all_gather_object(cuda_states, torch.cuda.get_rng_state())
             if len(set(digests)) != 1:
                 raise RuntimeError(f"ranks hold different weights at step {step}: {digests}")
-        nonlocal last_ckpt
         if dd.lead:
             rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
                    "features": feature_gen.get_state()}
@@ -227,7 +226,7 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
                 rng["torch_ranks"] = torch_states
                 if cuda:
                     rng["cuda_ranks"] = cuda_states
-            last_ckpt = save_checkpoint(
+            save_checkpoint(
                 run_dir, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "step": step, "rng": rng, "config": config, "metrics": metrics,
                                 "world": dd.world, "param_sha256": digests},
@@ -270,8 +269,9 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
         loss_v, bad, stop_now = stats.tolist()
         if bad:
             what = "loss" if not math.isfinite(loss_v) else "gradient norm"
-            where = (f"last good checkpoint: {last_ckpt} (resume from it with --resume, e.g. with a "
-                     f"lower --lr)" if last_ckpt else "no checkpoint was written yet")
+            good = latest_checkpoint(run_dir)
+            where = (f"last good checkpoint: {good} (resume from it with --resume, e.g. with a "
+                     f"lower --lr)" if good else "no checkpoint was written yet")
             bar.close()
             if writer is not None:
                 writer.close()
