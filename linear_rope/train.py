@@ -7,8 +7,10 @@ Commands, from the repository root::
     # the CPU-scale ablation, RoPE against no position, two seeds
     python -m linear_rope.train --preset cpu --variants rope,none --seeds 0,1 \\
         --data ../shared/data/enwiki-sample.xml.bz2 --out runs/cpu
-    # the paper's setting (RoFormer section 4.4) on enwik8 (downloaded into --data-dir)
-    torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --compile --out runs/paper
+    # the paper's setting (RoFormer section 4.4) on enwik8 (downloaded into --data-dir):
+    # global batch 128 = --batch-size 16 per rank x 8 ranks (x --grad-accum 1)
+    torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --batch-size 16 \
+        --compile --out runs/paper
     # DDP (gloo on CPU, nccl on CUDA): global batch = batch_size * grad_accum * ranks
     torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 \
         --data ../shared/data/enwiki-sample.xml.bz2 --out runs/ddp
