@@ -9,10 +9,10 @@ Commands, from the repository root::
         --data ../shared/data/enwiki-sample.xml.bz2 --out runs/cpu
     # the paper's setting (RoFormer section 4.4) on enwik8 (downloaded into --data-dir):
     # global batch 128 = --batch-size 16 per rank x 8 ranks (x --grad-accum 1)
-    torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --batch-size 16 \
+    torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --batch-size 16 \\
         --compile --out runs/paper
     # DDP (gloo on CPU, nccl on CUDA): global batch = batch_size * grad_accum * ranks
-    torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 \
+    torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 \\
         --data ../shared/data/enwiki-sample.xml.bz2 --out runs/ddp
     # continue a finished or interrupted run to more steps, in the same log dirs
     python -m linear_rope.train --preset cpu --out runs/cpu --resume --steps 4000
