@@ -104,3 +104,14 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     ea = EventAccumulator(str(runs / "rope-seed0"))
     ea.Reload()
     assert any(t.startswith("attention/eq19_weights") for t in ea.Tags()["images"])
+
+
+def test_plots_cli_bad_runs_dir_is_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        plots.main(["summary", "--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "r")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a directory" in err[0]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no finished"):
+        plots.main(["export", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
