@@ -33,12 +33,15 @@ COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_p
 TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc")
 
 
+class ResultsError(Exception):
+    """Nothing to plot, or no matplotlib (the CLI prints it and exits 2)."""
+
+
 def _plt():
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit('linear_rope.plots: error: matplotlib is not installed; '
-                         'pip install -e ".[plot]"') from None
+        raise ResultsError('matplotlib is not installed; pip install -e ".[plot]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -61,7 +64,7 @@ def find_runs(runs: Path) -> dict[str, tuple[str, int]]:
         else:
             print(f"leaving out {p.name}: not finished", file=sys.stderr)
     if not found:
-        raise SystemExit(f"linear_rope.plots: error: no finished <variant>-seed<k> runs in {runs}")
+        raise ResultsError(f"no finished <variant>-seed<k> runs in {runs}")
     return found
 
 
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             summary(runs, out)
         if args.what in ("all", "tables"):
             print(tables(out))
-    except data.DataError as e:
+    except (data.DataError, CheckpointError, ResultsError) as e:
         p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
     return 0
 

@@ -113,5 +113,6 @@ def test_plots_cli_bad_runs_dir_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a directory" in err[0]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="no finished"):
+    with pytest.raises(SystemExit) as exc:
         plots.main(["export", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
+    assert exc.value.code == 2 and "no finished" in capsys.readouterr().err
