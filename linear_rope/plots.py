@@ -180,9 +180,16 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
         ax.set_title(f"{variant}: layer {li}, head {head}\n(colours clipped at the 99th pct of |W|)",
                      fontsize=10)
         with SummaryWriter(runs / name) as writer:  # beside the run's curves in TensorBoard
+            step = load_checkpoint(resolve_checkpoint(runs / name))["step"]
             img = ((w / lim).clamp(-1, 1) + 1) / 2  # [-lim, lim] -> [0, 1]
-            writer.add_image(f"attention/eq19_weights_layer{li}_head{head}", img[None].float(),
-                             load_checkpoint(resolve_checkpoint(runs / name))["step"])
+            writer.add_image(f"attention/eq19_weights_layer{li}_head{head}", img[None].float(), step)
+            f2, a2 = plt.subplots(figsize=(5, 3))
+            for h in range(model.cfg.heads):
+                a2.plot(acc[h].numpy(), lw=0.8, label=f"head {h}")
+            a2.axhline(1.0, color="k", lw=0.5)
+            a2.set(xlabel="query position m", ylabel="row sum of W", title=f"{variant}, layer {li}")
+            a2.legend(fontsize=7)
+            writer.add_figure(f"attention/row_sums_layer{li}", f2, step)  # closes f2
     _save(fig, out / "attention_weights.png")
     write_csv(out / "attention_rowsums.csv", ["variant", "layer", "head", "position", "row_sum"], rows)
     fig, ax = plt.subplots(figsize=(6, 4))

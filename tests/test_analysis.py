@@ -104,6 +104,7 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     ea = EventAccumulator(str(runs / "rope-seed0"))
     ea.Reload()
     assert any(t.startswith("attention/eq19_weights") for t in ea.Tags()["images"])
+    assert any(t.startswith("attention/row_sums") for t in ea.Tags()["images"])
 
 
 def test_plots_cli_bad_runs_dir_is_one_line_exit_2(tmp_path, capsys):
