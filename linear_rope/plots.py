@@ -146,6 +146,7 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
     ax.set(xscale="log", xlabel="eval window / training length L", ylabel="test BPC",
            title="Length extrapolation (mean over seeds)")
     ax.set_xticks([1, 2, 4, 8], ["L", "2L", "4L", "8L"])
+    ax.set_xticks([], minor=True)
     _save(fig, out / "extrapolation.png", [ax])
 
 
