@@ -131,6 +131,7 @@ def _check_resumable(ckpt: dict, mc: ModelConfig, tc: TrainConfig, dd: Dist, pat
     old_m, old_t = ckpt["config"]["model"], ckpt["config"]["train"]
     diffs = [f"{k}: checkpoint {old_m.get(k)!r}, now {v!r}" for k, v in asdict(mc).items()
              if old_m.get(k) != v]
+    old_t = {**asdict(TrainConfig()), **old_t}  # fields newer than the checkpoint: defaults
     diffs += [f"{k}: checkpoint {old_t.get(k)!r}, now {v!r}" for k, v in asdict(tc).items()
               if k not in RESUMABLE and old_t.get(k) != v]
     if ckpt.get("world", 1) != dd.world:
@@ -179,7 +180,8 @@ def train_run(name: str, mc: ModelConfig, tc: TrainConfig, splits: dict, dd: Dis
         if dd.device.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda_ranks"][dd.rank] if dd.world > 1
                                      else ckpt["rng"]["cuda"])
-        data_gen.set_state(ckpt["rng"]["data"])
+        data_state = ckpt["rng"]["data"]
+        data_gen.set_state(data_state[0] if isinstance(data_state, list) else data_state)  # <= 0.1
         feature_gen.set_state(ckpt["rng"]["features"])
         if (tc.decay_steps is None and ckpt["config"]["train"]["decay_steps"] is None
                 and ckpt["config"]["train"]["steps"] != tc.steps and dd.lead):

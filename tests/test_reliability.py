@@ -216,3 +216,21 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path):
     path.write_bytes(path.read_bytes()[:300])
     with pytest.raises(CheckpointError, match="corrupt, truncated"):
         load_checkpoint(path)
+
+
+def test_resume_from_a_version_0_1_checkpoint(tmp_path, corpus):
+    """linear_rope 0.1 wrote one checkpoint.pt, a per-rank list of data states, fewer fields."""
+    argv = common(corpus, tmp_path, 4, "--out", str(tmp_path / "runs"))
+    assert run_main(argv)[0] == 0
+    run_dir = tmp_path / "runs" / "rope-seed0"
+    path = latest_checkpoint(run_dir)
+    ckpt = load_checkpoint(path)
+    ckpt["rng"]["data"] = [ckpt["rng"]["data"]]
+    for k in ("grad_accum", "checkpoint_every", "keep_checkpoints", "deterministic"):
+        del ckpt["config"]["train"][k]
+    del ckpt["world"], ckpt["param_sha256"]
+    torch.save(ckpt, run_dir / "checkpoint.pt")
+    path.unlink()
+    code, _, err = run_main(common(corpus, tmp_path, 6, "--out", str(tmp_path / "runs"), "--resume"))
+    assert code == 0, err
+    assert load_checkpoint(latest_checkpoint(run_dir))["step"] == 6
