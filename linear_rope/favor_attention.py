@@ -169,6 +169,11 @@ def use_compile(enabled: bool = True) -> None:
 class _FavorRotaryCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w, wq, wk, scale, rot, C, T):
+        with torch.autocast(v.device.type, enabled=False):  # the math stays in float32 or wider
+            return _FavorRotaryCausal._forward(ctx, q, k, v, w, wq, wk, scale, rot, C, T)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, w, wq, wk, scale, rot, C, T):
         BH, N, e = v.shape
         m = w.shape[0]
         fwd = _compiled.get("forward", _block_forward)
@@ -187,6 +192,11 @@ class _FavorRotaryCausal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        with torch.autocast(g.device.type, enabled=False):
+            return _FavorRotaryCausal._backward(ctx, g.to(ctx.saved_tensors[2].dtype))
+
+    @staticmethod
+    def _backward(ctx, g):
         q, k, v, w, wq, wk, rot, out, den, S0, z0 = ctx.saved_tensors
         scale, C, T = ctx.scale, ctx.C, ctx.T
         BH, N, e = v.shape
