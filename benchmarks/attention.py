@@ -5,7 +5,7 @@
 q, k, v `[1, 12, N, 64]` fp32, m = 266, causal, 2 threads, N in {1k, 2k, 4k, 16k, 64k}.
 
 * ours_rope / ours_none: ``benchmarks.common.ours_attention``, Eq. 19 / Eq. 18 over FAVOR+
-  features of q and k, through the fused ``favor_rotary_attention`` (features, RoPE and the
+  features of q and k, through the public ``rotary_linear_attention`` with ``projection`` (features, RoPE and the
   chunked attention in one pass, hand-written backward) that ``RotaryLinearAttention`` uses.
 * performer: performer-pytorch ``FastAttention(64, 266, causal=True)``, which on CPU falls back
   to ``causal_linear_attention_noncuda``.

@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 from linear_rope import FavorFeatures
-from linear_rope.favor_attention import CHUNK, favor_rotary_attention
+from linear_rope import rotary_linear_attention
+from linear_rope.ops.chunk import CHUNK
 
 THREADS = 2  # the machine's 2 cores; quick mode uses 1, see ``setup``
 BENCH_DIR = Path(__file__).resolve().parent
@@ -77,14 +78,14 @@ def ours_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: 
     """The single definition of "ours": causal Eq. 19 (``rotary``) or Eq. 18 over FAVOR+.
 
     q, k, v: `[B, H, N, d]` head-dim queries, keys, values -> `[B, H, N, d]`, through the fused
-    ``linear_rope.favor_attention.favor_rotary_attention`` that ``RotaryLinearAttention`` uses.
+    public ``linear_rope.rotary_linear_attention`` with FAVOR+ inside (``projection``), which ``RotaryLinearAttention`` uses.
     """
-    return favor_rotary_attention(q, k, v, features.projection, rotary=rotary)
+    return rotary_linear_attention(q, k, v, projection=features.projection, rotary=rotary)
 
 
 def ours_path() -> str:
     """Which code path ``ours_attention`` takes, for the record."""
-    return "linear_rope.favor_attention.favor_rotary_attention (fused)"
+    return "linear_rope.rotary_linear_attention(projection=...) (FAVOR+ fused in the public op)"
 
 
 def chunk_size() -> int:

@@ -8,7 +8,7 @@ for every token, so its per-token cost is a full forward pass and only a few of 
 the time budget. Latency per token scales with depth for both, so the ratios hardly depend on it.
 
 * ours: ``linear_rope.model.PerformerLM`` prefilled to the context in one parallel pass
-  (``return_state=True``), then one ``step`` per token (greedy): O(1) in the context.
+  (``output_final_state=True``), then one ``step`` per token (greedy): O(1) in the context.
 * performer: ``AutoregressiveWrapper(performer_pytorch.PerformerLM(..., causal=True))``; one
   token is one ``generate(start_tokens, 1)`` call at exactly that context.
 
@@ -64,7 +64,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
     state, prefill_s = {}, {}
     for c in cfg["contexts"]:
         t0 = time.perf_counter()
-        logits, states = ours(ids[:, :c], return_state=True)
+        logits, states = ours(ids[:, :c], output_final_state=True)
         prefill_s[c] = time.perf_counter() - t0
         state[c] = {"tok": logits[:, -1].argmax(-1), "states": states, "pos": c}
 

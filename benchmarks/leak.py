@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from linear_rope import FavorFeatures
-from linear_rope.favor_attention import favor_rotary_attention
+from linear_rope import rotary_linear_attention
 
 from .common import cli, fmt, report, target
 
@@ -35,7 +35,7 @@ def measure(trials: int = 20, N: int = 1024, t: int = 400, d: int = 64, m: int =
         fa.projection_matrix.copy_(f.projection)
         for fn, a_list, r_list in (
             (lambda kk: fa(q, kk, v), theirs_abs, theirs_rel),
-            (lambda kk: favor_rotary_attention(q, kk, v, f.projection, rotary=False), ours_abs, ours_rel),
+            (lambda kk: rotary_linear_attention(q, kk, v, projection=f.projection, rotary=False), ours_abs, ours_rel),
         ):
             before, after = fn(k)[:, :, :t], fn(k2)[:, :, :t]
             diff = (after - before).abs().amax(-1)  # per position

@@ -2,15 +2,24 @@
 for Performer (Eq. 19), with a byte-level Performer LM and an Enwik8 ablation."""
 from .attention import RotaryLinearAttention
 from .features import FavorFeatures
-from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
+from .model import ModelConfig, PerformerLM
+from .ops import (
+    LinearAttentionState,
+    naive_rotary_linear_attention,
+    rotary_linear_attention,
+    rotary_linear_attention_step,
+)
 from .rotary import apply_rotary
 
 __all__ = [
     "apply_rotary",
     "rotary_linear_attention",
     "rotary_linear_attention_step",
+    "naive_rotary_linear_attention",
     "LinearAttentionState",
     "FavorFeatures",
     "RotaryLinearAttention",
+    "PerformerLM",
+    "ModelConfig",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

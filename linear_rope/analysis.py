@@ -10,6 +10,7 @@ import torch
 
 from . import data
 from .model import PerformerLM
+from .ops import eq19_weights as _eq19_weights_op
 from .rotary import apply_rotary
 
 __all__ = ["rope_decay_bound", "eq19_weights", "bpc_at_lengths", "read_scalars", "wall_seconds",
@@ -57,12 +58,12 @@ def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
     finally:
         hook.remove()
         model.train(was_training)
-    fq, fk, _ = attn._features(seen["x"], 0)  # (1, H, N, m), non-negative
-    fq, fk = fq[0, head].double(), fk[0, head].double()
-    den = (fq @ fk.T).tril().sum(-1, keepdim=True)  # unrotated, as in Eq. 19
-    if attn.position == "rope":
-        fq, fk = apply_rotary(fq, base=attn.base), apply_rotary(fk, base=attn.base)
-    w = (fq @ fk.T).tril() / den
+    q, k, _ = attn._qkv(seen["x"], None)  # (1, H, N, d)
+    if attn.position == "rope_pre":
+        q, k = apply_rotary(q, base=attn.base), apply_rotary(k, base=attn.base)
+    q, k, projection = attn._op_inputs(q, k)
+    w = _eq19_weights_op(q[:, head : head + 1].double(), k[:, head : head + 1].double(), rotary=attn.position == "rope",
+                     base=attn.base, projection=None if projection is None else projection.double())[0, 0]
     return w, w.sum(-1)
 
 

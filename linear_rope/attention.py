@@ -1,13 +1,18 @@
-"""RotaryLinearAttention: multi-head linear self-attention with a choice of RoPE placement."""
+"""RotaryLinearAttention: multi-head linear attention with a choice of RoPE placement.
+
+A drop-in layer: padding masks, packed documents, state in and out, cross-attention and
+token-by-token decoding with per-row positions, all on the fast path of ``linear_rope.ops``.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .favor_attention import favor_rotary_attention
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
-from .rotary import apply_rotary, check_offset
+from .ops.utils import check_cu_seqlens, check_mask
+from .rotary import apply_rotary, check_offset, packed_positions, token_positions
 
 __all__ = ["RotaryLinearAttention", "POSITIONS"]
 
@@ -15,7 +20,7 @@ POSITIONS = ("rope", "rope_pre", "none")
 
 
 class RotaryLinearAttention(nn.Module):
-    """Multi-head linear self-attention, `[B, N, dim]` -> `[B, N, dim]`.
+    """Multi-head linear attention, `[B, N, dim]` -> `[B, N, dim]`.
 
     Args:
         dim: model width.
@@ -33,7 +38,9 @@ class RotaryLinearAttention(nn.Module):
         base: RoPE base.
 
     The FAVOR+ projection is shared by all heads, as in performer-pytorch; ``self.features``
-    owns it and ``self.features.redraw(generator)`` renews it.
+    owns it and ``self.features.redraw(generator)`` renews it. Cross-attention (``context=``)
+    needs ``position="none"`` and ``causal=False``: a query and a context token share no
+    position axis, so RoPE between them has no meaning; the layer refuses rather than guess.
     """
 
     def __init__(
@@ -71,66 +78,112 @@ class RotaryLinearAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim_head={self.dim_head}, causal={self.causal}, position={self.position!r}"
 
-    def _qkv(self, x: torch.Tensor, offset: int):
-        """x `[B, N, dim]` -> q, k, v `[B, H, N, d]` (q and k rotated for ``rope_pre``)."""
-        B, N, _ = x.shape
-        q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
-        if self.position == "rope_pre":
-            q, k = apply_rotary(q, offset=offset, base=self.base), apply_rotary(k, offset=offset, base=self.base)
-        return q, k, v
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        B, N, _ = t.shape
+        return t.view(B, N, self.heads, self.dim_head).transpose(1, 2)  # (B, H, N, d)
 
-    def _features(self, x: torch.Tensor, offset: int):
-        """x `[B, N, dim]` -> phi(q), phi(k) `[B, H, N, m]` and v `[B, H, N, d]`."""
-        q, k, v = self._qkv(x, offset)
-        fq, fk = self.features(q, is_query=True), self.features(k, is_query=False)
-        return fq, fk, v.to(fq.dtype)  # features are float32 or wider; the op wants one dtype
+    def _qkv(self, x, context):
+        if context is None:
+            return [self._heads(t) for t in self.to_qkv(x).chunk(3, dim=-1)]
+        inner = self.heads * self.dim_head
+        w = self.to_qkv.weight
+        q = F.linear(x, w[:inner])
+        k, v = F.linear(context, w[inner:]).chunk(2, dim=-1)
+        return self._heads(q), self._heads(k), self._heads(v)
+
+    def _op_inputs(self, q, k):
+        """FAVOR+ goes inside the op (fused, features never stored); elu / relu before it."""
+        if self.features.kind == "favor":
+            return q, k, self.features.projection
+        return self.features(q, is_query=True), self.features(k, is_query=False), None
 
     def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, N, d = out.shape
         out = out.transpose(1, 2).reshape(B, N, H * d).to(x.dtype)
         return self.dropout(self.to_out(out))
 
-    def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
-        """x: `[B, N, dim]` at positions offset .. offset+N-1 -> `[B, N, dim]`.
-
-        With ``return_state`` (causal only) also returns the ``LinearAttentionState`` after the
-        last token, to continue with ``step`` at position offset+N.
-        """
-        if x.dim() != 3 or x.shape[1] == 0:
-            raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {tuple(x.shape)}")
-        check_offset(offset)
-        if return_state and not self.causal:
-            raise ValueError("return_state: a bidirectional layer has no recurrent state")
-        if self.causal and self.features.kind == "favor" and not return_state:
-            # fused features + RoPE + Eq. 19 with a hand-written backward (same result)
-            q, k, v = self._qkv(x, offset)
-            out = favor_rotary_attention(
-                q, k, v, self.features.projection, rotary=self.position == "rope", offset=offset, base=self.base
+    def _check(self, x, context, cu_seqlens, initial_state, output_final_state):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
+            raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {getattr(x, 'shape', x)!r}")
+        if context is None:
+            return
+        if self.position != "none" or self.causal:
+            raise ValueError(
+                "context: cross-attention needs a layer with position='none' and causal=False (a query and "
+                f"a context token share no position axis); this layer has position={self.position!r}, "
+                f"causal={self.causal}"
             )
-            return self._project_out(out, x)
-        fq, fk, v = self._features(x, offset)
-        res = rotary_linear_attention(
-            fq, fk, v, causal=self.causal, rotary=self.position == "rope", offset=offset,
-            base=self.base, return_state=return_state,
-        )
-        if return_state:
-            out, state = res
-            return self._project_out(out, x), state
-        return self._project_out(res, x)
+        if not isinstance(context, torch.Tensor) or context.dim() != 3 or context.shape[0] != x.shape[0] \
+                or context.shape[2] != x.shape[2] or context.shape[1] == 0:
+            raise ValueError(f"context must have shape [B={x.shape[0]}, M, dim={x.shape[2]}], "
+                             f"got {list(getattr(context, 'shape', []))}")
+        if cu_seqlens is not None or initial_state is not None or output_final_state:
+            raise ValueError("context: cross-attention takes no cu_seqlens, initial_state or output_final_state")
 
-    def step(self, x_t: torch.Tensor, state: LinearAttentionState | None, position: int):
-        """Decode one token: x_t `[B, dim]` at ``position`` -> (`[B, dim]`, new state).
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        offset: int | torch.Tensor = 0,
+        mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        initial_state: LinearAttentionState | None = None,
+        output_final_state: bool = False,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+    ):
+        """x: `[B, N, dim]` -> `[B, N, dim]` (with ``output_final_state``: ``(out, state)``).
 
-        O(1) in the context length: it reads only the `[B, H, m, d]` state.
+        Args:
+            offset: position of token 0, an int or a LongTensor `[B]` per row.
+            mask: `[B, N]` bool, True = real token; padding (left or right) adds nothing, gets
+                output 0, and the real tokens get what the row gives alone.
+            cu_seqlens: int32 `[D+1]`, documents packed in x `[1, T, dim]`: each is its own sequence.
+            initial_state, output_final_state: continue from / return the recurrent state
+                (``LinearAttentionState``; per document with ``cu_seqlens``).
+            context, context_mask: cross-attention to `[B, M, dim]` with `[B, M]` real tokens
+                (layers with ``position="none"``, ``causal=False`` only).
         """
+        self._check(x, context, cu_seqlens, initial_state, output_final_state)
+        q, k, v = self._qkv(x, context)
+        B, N = x.shape[:2]
+        if self.position == "rope_pre":  # RoPE on q and k, at the positions the op would use
+            if cu_seqlens is not None:
+                docs = check_cu_seqlens(cu_seqlens, B, N)
+                pos = packed_positions(docs, check_offset(offset, rows=len(docs)), mask, device=x.device)
+            else:
+                offset = check_offset(offset, rows=B)
+                mask = None if mask is None else check_mask(mask, "mask", (B, N))
+                pos = token_positions(offset, N, mask, device=x.device)
+            pos = None if pos is None else pos[:, None]  # (B, 1, N): broadcast over heads
+            q = apply_rotary(q, offset=offset if pos is None else 0, base=self.base, positions=pos)
+            k = apply_rotary(k, offset=offset if pos is None else 0, base=self.base, positions=pos)
+        q, k, projection = self._op_inputs(q, k)
+        res = rotary_linear_attention(
+            q, k, v, causal=self.causal, rotary=self.position == "rope", offset=offset, base=self.base,
+            projection=projection, mask=mask, key_mask=context_mask if context is not None else None,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+        )
+        out, state = res if output_final_state else (res, None)
+        out = self._project_out(out, x)
+        return (out, state) if output_final_state else out
+
+    def step(self, x_t: torch.Tensor, state: LinearAttentionState | None, position: int | torch.Tensor):
+        """Decode one token: x_t `[B, dim]` at ``position`` (an int, or a LongTensor `[B]` of
+        per-row positions) -> (`[B, dim]`, new state). O(1) in the context length."""
         if not self.causal:
             raise ValueError("step: a bidirectional layer cannot decode token by token")
-        check_offset(position, "position")
-        if x_t.dim() != 2:
-            raise ValueError(f"x_t must have shape [B, dim], got {tuple(x_t.shape)}")
-        fq, fk, v = self._features(x_t.unsqueeze(1), position)  # (B, H, 1, .)
+        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2:
+            raise ValueError(f"x_t must have shape [B, dim], got {list(getattr(x_t, 'shape', []))}")
+        position = check_offset(position, "position", rows=x_t.shape[0])
+        q, k, v = (t[:, :, 0] for t in self._qkv(x_t.unsqueeze(1), None))  # (B, H, d)
+        if self.position == "rope_pre":
+            pos = position.view(-1, 1, 1) if isinstance(position, torch.Tensor) else None
+            off = 0 if pos is not None else position
+            q = apply_rotary(q.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
+            k = apply_rotary(k.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
+        q, k, projection = self._op_inputs(q, k)
         out, state = rotary_linear_attention_step(
-            fq.squeeze(2), fk.squeeze(2), v.squeeze(2), state, position,
-            rotary=self.position == "rope", base=self.base,
+            q, k, v, state, position, rotary=self.position == "rope", base=self.base, projection=projection
         )
         return self._project_out(out.unsqueeze(2), x_t).squeeze(1), state

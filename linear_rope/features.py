@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FavorFeatures", "FEATURE_KINDS", "default_nb_features", "draw_orthogonal_projection"]
+__all__ = ["FavorFeatures", "FEATURE_KINDS", "default_nb_features", "draw_orthogonal_projection", "favor_features"]
 
 FEATURE_KINDS = ("favor", "elu", "relu")
 
@@ -147,8 +147,19 @@ class FavorFeatures(nn.Module):
             return F.elu(x) + 1.0
         if self.kind == "relu":
             return F.relu(x)
-        w = self.projection.to(x.dtype)  # (m, d)
-        x = x * self.dim_head**-0.25
+        return favor_features(x, self.projection, is_query=is_query)
+
+
+def favor_features(x: torch.Tensor, projection: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+    """Stabilised FAVOR+ features (see the module docstring), the readable form.
+
+    x: `[..., N, d]` queries (``is_query``) or keys, projection `[m, d]` -> `[..., N, m]` in
+    float32 or wider, each feature in (0, 1]. Autocast is off inside: the map stays in fp32.
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+        w = projection.to(x.dtype)  # (m, d)
+        x = x * x.shape[-1] ** -0.25
         proj = x @ w.t()  # (..., N, m)
         c = pair_shift(w)  # (m,)
         if is_query:

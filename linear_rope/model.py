@@ -10,6 +10,8 @@ from torch import nn
 from .attention import RotaryLinearAttention
 from .features import FEATURE_KINDS
 from .ops import LinearAttentionState
+from .ops.utils import check_mask
+from .rotary import check_offset, token_positions
 
 __all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
 
@@ -86,9 +88,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.ff = FeedForward(cfg.dim, cfg.ff_mult, cfg.dropout)
 
-    def forward(self, x, *, return_state=False):
-        a = self.attn(self.ln1(x), return_state=return_state)
-        a, state = a if return_state else (a, None)
+    def forward(self, x, *, mask=None, output_final_state=False):
+        a = self.attn(self.ln1(x), mask=mask, output_final_state=output_final_state)
+        a, state = a if output_final_state else (a, None)
         x = x + a
         return x + self.ff(self.ln2(x)), state
 
@@ -155,33 +157,45 @@ class PerformerLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _embed(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings, plus the ``absolute`` table at ``positions`` `[B, N]` (None: 0..N-1)."""
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            n = ids.shape[1]
-            if offset + n > self.cfg.seq_len:
+            if positions is None:
+                positions = torch.arange(ids.shape[1], device=ids.device)[None]
+            if int(positions.max()) >= self.cfg.seq_len:
                 raise ValueError(
-                    f"ids: positions up to {offset + n} exceed the absolute table of seq_len={self.cfg.seq_len}"
+                    f"ids: position {int(positions.max())} is past the absolute table of seq_len={self.cfg.seq_len}"
                 )
-            x = x + self.pos_emb.weight[offset : offset + n]
+            x = x + self.pos_emb(positions)
         return self.drop(x)
 
-    def forward(self, ids: torch.Tensor, *, return_state: bool = False):
-        """ids `[B, N]` long -> logits `[B, N, vocab]`; with ``return_state`` also the
-        per-layer recurrent states after the last token (for ``step``)."""
+    def forward(self, ids: torch.Tensor, *, mask: torch.Tensor | None = None, output_final_state: bool = False):
+        """ids `[B, N]` long -> logits `[B, N, vocab]`.
+
+        ``mask`` `[B, N]` bool (True = real token) lets rows of different lengths share a batch,
+        padded on the left or the right: each row's real tokens get the logits they get alone.
+        With ``output_final_state`` also the per-layer recurrent states after the last token
+        (for ``step``; with a mask, the next position of row b is ``mask[b].sum()``).
+        """
         if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.long, torch.int32, torch.uint8):
             raise ValueError(f"ids must be an integer tensor [B, N] with N >= 1, got {ids.dtype} {tuple(ids.shape)}")
-        x = self._embed(ids.long(), 0)
+        if mask is not None:
+            mask = check_mask(mask, "mask", tuple(ids.shape))
+        x = self._embed(ids.long(), None if mask is None else token_positions(0, ids.shape[1], mask))
         states = []
         for block in self.blocks:
-            x, state = block(x, return_state=return_state)
+            x, state = block(x, mask=mask, output_final_state=output_final_state)
             states.append(state)
         logits = self.head(self.ln_f(x))
-        return (logits, states) if return_state else logits
+        return (logits, states) if output_final_state else logits
 
-    def step(self, token: torch.Tensor, states: list[LinearAttentionState], position: int):
-        """One token `[B]` at ``position`` -> (logits `[B, vocab]`, new states); O(1) in the context."""
-        x = self._embed(token.long()[:, None], position)[:, 0]
+    def step(self, token: torch.Tensor, states: list[LinearAttentionState], position: int | torch.Tensor):
+        """One token `[B]` at ``position`` (an int, or a LongTensor `[B]` per row) -> (logits
+        `[B, vocab]`, new states); O(1) in the context."""
+        position = check_offset(position, "position", rows=token.shape[0])
+        pos = position.view(-1, 1) if isinstance(position, torch.Tensor) else torch.full((1, 1), position)
+        x = self._embed(token.long()[:, None], pos.to(token.device))[:, 0]
         new = []
         for block, state in zip(self.blocks, states):
             x, state = block.step(x, state, position)
@@ -191,44 +205,57 @@ class PerformerLM(nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        prompt: bytes,
+        prompt: bytes | list[bytes],
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
-    ) -> bytes:
+    ) -> bytes | list[bytes]:
         """Sample ``max_new_tokens`` bytes after ``prompt``; returns the new bytes only.
 
-        The prompt is read once in parallel; every new token then costs one recurrent
-        ``step`` per layer, O(1) in the context length. ``top_k=1`` (or ``temperature=0``)
-        is greedy decoding.
+        ``prompt`` is bytes, or a list of prompts of any lengths (then a list comes back): they
+        are left-padded into one batch, read once in parallel under a mask, and each row then
+        decodes at its own positions, so every row gets what it gets alone. Every new token
+        costs one recurrent ``step`` per layer, O(1) in the context length. ``top_k=1`` (or
+        ``temperature=0``) is greedy decoding.
         """
-        if not isinstance(prompt, (bytes, bytearray)) or len(prompt) == 0:
-            raise ValueError("prompt must be non-empty bytes")
+        prompts = [prompt] if isinstance(prompt, (bytes, bytearray)) else prompt
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(
+                isinstance(p, (bytes, bytearray)) and len(p) > 0 for p in prompts):
+            raise ValueError("prompt must be non-empty bytes, or a non-empty list of non-empty bytes")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if self.pos_emb is not None and len(prompt) + max_new_tokens > self.cfg.seq_len + 1:
+        longest = max(len(p) for p in prompts)
+        if self.pos_emb is not None and longest + max_new_tokens > self.cfg.seq_len + 1:
             raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.cfg.seq_len}")
         was_training = self.training
         self.eval()
         device = self.head.weight.device
-        ids = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]
-        logits, states = self(ids, return_state=True)
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+        mask = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
+        for b, p in enumerate(prompts):  # left padding: every row's last token is at the end
+            ids[b, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[b, longest - len(p):] = True
+        ragged = any(len(p) != longest for p in prompts)
+        logits, states = self(ids, mask=mask if ragged else None, output_final_state=True)
         logits = logits[:, -1].float()
+        position = mask.sum(1) if ragged else longest
         out = []
         for i in range(max_new_tokens):
             nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
-            out.append(int(nxt))
+            out.append(nxt)
             if i + 1 < max_new_tokens:
-                logits, states = self.step(nxt, states, ids.shape[1] + i)
+                logits, states = self.step(nxt, states, position + i)
                 logits = logits.float()
         self.train(was_training)
-        return bytes(out)
+        new = torch.stack(out, dim=1).tolist() if out else [[] for _ in prompts]
+        res = [bytes(row) for row in new]
+        return res[0] if isinstance(prompt, (bytes, bytearray)) else res
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:

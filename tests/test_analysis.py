@@ -10,7 +10,7 @@ import torch
 from helpers import run_main
 from linear_rope import analysis, data, plots, train
 from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
-from linear_rope.ops import rotary_linear_attention
+from linear_rope import apply_rotary, rotary_linear_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,8 +47,11 @@ def test_eq19_weights_reproduce_the_layer_and_their_row_sums(position):
     h = attn.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
     model(ids[None])
     h.remove()
-    fq, fk, v = attn._features(seen["x"], 0)
-    out = rotary_linear_attention(fq, fk, v, causal=True, rotary=position == "rope")
+    q, k, v = attn._qkv(seen["x"], None)
+    if position == "rope_pre":
+        q, k = apply_rotary(q), apply_rotary(k)
+    q, k, projection = attn._op_inputs(q, k)
+    out = rotary_linear_attention(q, k, v, causal=True, rotary=position == "rope", projection=projection)
     torch.testing.assert_close(w @ v[0, 1], out[0, 1], rtol=1e-10, atol=1e-12)
 
 

@@ -47,7 +47,7 @@ def test_step_and_prefill_match_forward(position):
     layer = make_layer(position)
     x = torch.randn(2, 40, 24, **F64)
     full = layer(x)
-    out, state = layer(x[:, :25], return_state=True)
+    out, state = layer(x[:, :25], output_final_state=True)
     outs = [out]
     for t in range(25, 40):
         o, state = layer.step(x[:, t], state, t)

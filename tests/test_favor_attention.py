@@ -2,8 +2,12 @@ import pytest
 import torch
 
 from linear_rope import FavorFeatures, rotary_linear_attention
-from linear_rope.favor_attention import favor_rotary_attention
-from linear_rope.reference import favor_features_ref, linear_attention_ref
+from linear_rope import naive_rotary_linear_attention as linear_attention_ref
+from linear_rope.reference import favor_features_ref
+
+
+def favor_rotary_attention(q, k, v, w, **kw):
+    return rotary_linear_attention(q, k, v, projection=w, **kw)
 
 F64 = dict(dtype=torch.float64)
 

@@ -5,7 +5,8 @@ import torch
 
 from linear_rope import FavorFeatures, apply_rotary, rotary_linear_attention
 from linear_rope.features import default_nb_features
-from linear_rope.reference import favor_features_ref, linear_attention_ref, softmax_attention_ref
+from linear_rope import naive_rotary_linear_attention as linear_attention_ref
+from linear_rope.reference import favor_features_ref, softmax_attention_ref
 
 F64 = dict(dtype=torch.float64)
 

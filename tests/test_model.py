@@ -33,7 +33,7 @@ def test_greedy_generation_equals_full_forward(position):
     # token i of `new` is the argmax of the logits at the position before it
     assert bytes(full[len(prompt) - 1 : -1].argmax(-1).tolist()) == new
     # and the recurrent logits match the full-sequence logits
-    logits, states = model(ids[:, : len(prompt)], return_state=True)
+    logits, states = model(ids[:, : len(prompt)], output_final_state=True)
     step_logits = [logits[0, -1]]
     for i, tok in enumerate(new[:-1]):
         lg, states = model.step(torch.tensor([tok]), states, len(prompt) + i)

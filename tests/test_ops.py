@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from linear_rope import rotary_linear_attention, rotary_linear_attention_step
-from linear_rope.reference import linear_attention_ref
+from linear_rope import naive_rotary_linear_attention as linear_attention_ref
 
 F64 = dict(dtype=torch.float64)
 
@@ -71,7 +71,7 @@ def test_chunk_size_does_not_change_result(chunk):
 def test_prefill_state_then_steps(rotary):
     q, k, v = make_qkv(2, 2, 40, 10, 6)
     ref = linear_attention_ref(q, k, v, rotary=rotary, offset=5)
-    out, state = rotary_linear_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], rotary=rotary, offset=5, return_state=True)
+    out, state = rotary_linear_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], rotary=rotary, offset=5, output_final_state=True)
     outs = [out]
     for t in range(30, 40):
         o, state = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, 5 + t, rotary=rotary)
@@ -132,7 +132,7 @@ def _qkv(N=5, m=4, d=3):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(q=_qkv(m=3)[0], k=_qkv(m=3)[1], v=_qkv(m=3)[2]), "even"),
-    (dict(q=_qkv()[0], k=_qkv(N=6)[1], v=_qkv()[2]), "k must have the shape"),
+    (dict(q=_qkv()[0], k=_qkv(N=6)[1], v=_qkv(N=6)[2]), "cross-attention"),
     (dict(q=_qkv()[0], k=_qkv()[1], v=_qkv(N=6)[2]), "v must have shape"),
     (dict(q=_qkv()[0][0], k=_qkv()[1][0], v=_qkv()[2][0]), "q must have shape"),
     (dict(q=_qkv()[0], k=_qkv()[1].float(), v=_qkv()[2]), "dtype"),

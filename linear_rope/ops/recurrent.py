@@ -1,0 +1,74 @@
+"""The recurrent path of Eq. 19: one causal token from the state, O(m e) work whatever the context.
+
+Eq. 19 for the token at position p, from the state (S, z) of the tokens before it::
+
+    S' = S + (R_p phi(k)) v^T,   z' = z + phi(k),   out = (R_p phi(q))^T S' / phi(q)^T z'
+"""
+from __future__ import annotations
+
+import torch
+
+from ..features import favor_features
+from ..rotary import check_offset, rotary_tables, rotate_with_tables, table_dtype
+from .utils import LinearAttentionState, check_args
+
+__all__ = ["rotary_linear_attention_step"]
+
+
+def rotary_linear_attention_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    state: LinearAttentionState | None,
+    position: int | torch.Tensor,
+    *,
+    rotary: bool = True,
+    base: float = 10000.0,
+    projection: torch.Tensor | None = None,
+    allow_negative: bool = False,
+):
+    """One causal token of ``rotary_linear_attention`` from the recurrent state.
+
+    Args:
+        q_t, k_t: `[B, H, m]` non-negative features of the token (or raw `[B, H, d]` with
+            ``projection``, as in ``rotary_linear_attention``).
+        v_t: `[B, H, e]` values.
+        state: the ``LinearAttentionState`` of the tokens before (``None`` at the start). It is
+            not modified.
+        position: the token's position (the RoPE angle): an int, or a LongTensor `[B]` per row
+            (ragged batches: each row's number of real tokens so far, plus its offset).
+
+    Returns:
+        ``(out_t, state)``: `[B, H, e]` in v's dtype, and the state including this token.
+    """
+    for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a tensor [B, H, .] (one token), got {got}")
+    B = q_t.shape[0]
+    position = check_offset(position, "position", rows=B)
+    a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], causal=True, rotary=rotary, offset=position,
+                   base=base, projection=projection, mask=None, key_mask=None, cu_seqlens=None,
+                   initial_state=state, allow_negative=allow_negative)
+    out_dtype = v_t.dtype
+    cdt = table_dtype(q_t.dtype)
+    with torch.autocast(q_t.device.type, enabled=False):
+        q_t, k_t, v_t = q_t.to(cdt), k_t.to(cdt), v_t.to(cdt)
+        if projection is not None:
+            q_t = favor_features(q_t, projection, is_query=True)
+            k_t = favor_features(k_t, projection, is_query=False)
+        if rotary:
+            pos = position.view(B, 1, 1) if isinstance(position, torch.Tensor) else None
+            cos, sin = rotary_tables(1, a.m, offset=0 if pos is not None else position, base=base, dtype=cdt,
+                                     device=q_t.device, positions=pos)
+            rq, rk = (rotate_with_tables(t.unsqueeze(-2), cos, sin).squeeze(-2) for t in (q_t, k_t))
+        else:
+            rq, rk = q_t, k_t
+        S = rk.unsqueeze(-1) * v_t.unsqueeze(-2)  # (B, H, m, e)
+        z = k_t
+        if a.state is not None:
+            S, z = a.state.S.to(cdt) + S, a.state.z.to(cdt) + z
+        num = (rq.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, e)
+        den = (q_t * z).sum(-1)  # (B, H)
+        out = num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+    return out.to(out_dtype), LinearAttentionState(S, z)

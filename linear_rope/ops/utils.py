@@ -1,0 +1,146 @@
+"""What the three paths of the op share: the state type, the one set of argument checks, and the
+token positions every keyword implies.
+
+Layout everywhere: `[B, H, N, x]`. x is m (features) for q and k when no ``projection`` is given,
+d (raw queries / keys) when FAVOR+ is applied inside the op; v is `[B, H, M, e]`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..rotary import check_offset, token_positions
+
+__all__ = ["LinearAttentionState", "Args", "check_args", "check_state", "check_mask", "check_cu_seqlens"]
+
+
+class LinearAttentionState(NamedTuple):
+    """Recurrent state after a prefix of tokens.
+
+    S: `[B, H, m, e]` sum of (R_n phi(k_n)) v_n^T, the rotated numerator state.
+    z: `[B, H, m]` sum of phi(k_n), the unrotated key sum of the denominator.
+
+    With ``projection`` the keys' features are the stabilised FAVOR+ ones of
+    ``linear_rope.features.favor_features`` (no 1/sqrt(m)), so states from the fused and the
+    features-first paths are interchangeable. With ``cu_seqlens`` the first dim is the document.
+    """
+
+    S: torch.Tensor
+    z: torch.Tensor
+
+
+class Args(NamedTuple):
+    """The checked arguments, in the form the paths consume."""
+
+    positions: torch.Tensor | None  # (B, N) long; None: offset .. offset+N-1 for every row
+    offset: int | torch.Tensor  # int, or (B,) / (D,) long per row or document
+    qmask: torch.Tensor | None  # (B, N) bool: outputs at False are 0
+    kmask: torch.Tensor | None  # (B, M) bool: keys at False add nothing
+    docs: list[tuple[int, int]] | None  # [start, end) of every packed document
+    m: int  # number of features
+    state: LinearAttentionState | None
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def check_mask(mask, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be a bool tensor [B, N] (True = real token), got {got}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(mask.shape)}")
+    return mask
+
+
+def check_cu_seqlens(cu, B: int, N: int) -> list[tuple[int, int]]:
+    if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+        raise ValueError("cu_seqlens must be a 1-D int32 tensor [D+1] of cumulative document lengths")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed documents go in one row, [1, H, T, .]; got B={B}")
+    c = cu.tolist()
+    if len(c) < 2 or c[0] != 0 or c[-1] != N or any(b <= a for a, b in zip(c, c[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, strictly increase and end at T={N}, got {c}")
+    return list(zip(c[:-1], c[1:]))
+
+
+def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_state"):
+    """A ``LinearAttentionState`` (or an (S, z) pair) of shapes `[rows, H, m, e]`, `[rows, H, m]`."""
+    if state is None:
+        return None
+    if not (isinstance(state, tuple) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
+        raise ValueError(f"{name} must be a LinearAttentionState (S, z), got {type(state).__name__}")
+    S, z = state
+    if tuple(S.shape) != (rows, H, m, e) or tuple(z.shape) != (rows, H, m):
+        raise ValueError(
+            f"{name}: S {list(S.shape)} / z {list(z.shape)} do not match this call: want "
+            f"S [{rows}, {H}, {m}, {e}] and z [{rows}, {H}, {m}]"
+        )
+    if not (S.is_floating_point() and z.is_floating_point()):
+        raise ValueError(f"{name} must be floating point, got {S.dtype} / {z.dtype}")
+    return LinearAttentionState(S, z)
+
+
+def check_args(
+    q, k, v, *, causal, rotary, offset, base, projection, mask, key_mask, cu_seqlens, initial_state, allow_negative
+) -> Args:
+    """Every check of ``rotary_linear_attention``; ValueError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [B, H, N, .], got {list(t.shape)}")
+    B, H, N, x = q.shape
+    M = k.shape[2]
+    if k.shape[:2] != q.shape[:2] or k.shape[-1] != x:
+        raise ValueError(f"k must have shape [B={B}, H={H}, M, {x}], got {list(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have shape [B, H, M, e] matching k {list(k.shape)}, got {list(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if N == 0 or M == 0:
+        raise ValueError("q: the sequence is empty (N = 0)")
+    cross = key_mask is not None or M != N
+    if cross and (causal or rotary):
+        raise ValueError(
+            "key_mask / k of another length than q means cross-attention, which has no shared "
+            "position axis: it needs causal=False and rotary=False"
+        )
+    if projection is not None:
+        if not isinstance(projection, torch.Tensor) or projection.dim() != 2 or projection.shape[1] != x:
+            got = list(projection.shape) if isinstance(projection, torch.Tensor) else type(projection).__name__
+            raise ValueError(f"projection must be a tensor [m, d={x}] (FAVOR+ of q and k inside), got {got}")
+        m = projection.shape[0]
+    else:
+        m = x
+        if not allow_negative and not _is_compiling():
+            for name, t in (("q", q), ("k", k)):
+                low = float(t.detach().min())
+                if low < 0:
+                    raise ValueError(
+                        f"{name}: features must be non-negative (min {low:.3g}); Eq. 19's unrotated "
+                        "denominator can reach 0 or below otherwise. Pass allow_negative=True to opt out"
+                    )
+    if rotary and m % 2:
+        raise ValueError(f"{'projection' if projection is not None else 'q'}: rotary needs an even "
+                         f"number of features m, got m={m}")
+    if not isinstance(base, (int, float)) or isinstance(base, bool) or base <= 0:
+        raise ValueError(f"base must be a positive number, got {base!r}")
+    docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, N)
+    rows = B if docs is None else len(docs)
+    offset = check_offset(offset, rows=rows)
+    qmask = None if mask is None else check_mask(mask, "mask", (B, N))
+    kmask = qmask
+    if key_mask is not None:
+        if docs is not None:
+            raise ValueError("key_mask: cross-attention over packed documents is not supported")
+        kmask = check_mask(key_mask, "key_mask", (B, M))
+    state = check_state(initial_state, rows, H, m, v.shape[-1])
+    positions = None
+    if docs is None and rotary:
+        positions = token_positions(offset, N, qmask, device=q.device)
+    return Args(positions, offset, qmask, kmask, docs, m, state)
