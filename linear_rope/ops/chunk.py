@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..features import favor_features, pair_shift
 from ..rotary import rotary_tables, rotate_with_tables, table_dtype, token_positions
@@ -219,8 +218,9 @@ class _ChunkCausal(torch.autograd.Function):
             return out, S, z
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g, gS, gz):
+        if torch.is_grad_enabled():  # create_graph=True: the backward is hand-written, not differentiable
+            raise RuntimeError("rotary_linear_attention: double backward (create_graph=True) is not supported")
         with torch.autocast(g.device.type, enabled=False):
             q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z = ctx.saved_tensors
             scale, C, T = ctx.scale, ctx.C, ctx.T

@@ -1,0 +1,273 @@
+"""Every keyword of the op against running each row / document alone through the naive reference,
+in float64, for the outputs and the gradients; and every misuse gets a clear error."""
+import pytest
+import torch
+
+from linear_rope import (
+    LinearAttentionState,
+    FavorFeatures,
+    naive_rotary_linear_attention as naive,
+    rotary_linear_attention as fast,
+    rotary_linear_attention_step as step,
+)
+
+F64 = dict(dtype=torch.float64)
+H, D, M, E = 2, 6, 10, 5
+MODES = [pytest.param(True, id="causal"), pytest.param(False, id="bidir")]
+ROT = [pytest.param(True, id="rope"), pytest.param(False, id="norope")]
+INPUTS = [pytest.param(False, id="features"), pytest.param(True, id="favor")]
+
+
+def make(B, N, favor, seed=0, Nk=None):
+    g = torch.Generator().manual_seed(seed)
+    Nk = N if Nk is None else Nk
+    if favor:
+        q = torch.randn(B, H, N, D, generator=g, **F64)
+        k = torch.randn(B, H, Nk, D, generator=g, **F64)
+        torch.manual_seed(seed)
+        w = FavorFeatures(D, M).projection.double()
+    else:
+        q = torch.rand(B, H, N, M, generator=g, **F64) + 0.01
+        k = torch.rand(B, H, Nk, M, generator=g, **F64) + 0.01
+        w = None
+    v = torch.randn(B, H, Nk, E, generator=g, **F64)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), w
+
+
+def vjp(out, inputs, up):
+    return torch.autograd.grad(out, inputs, up, allow_unused=True)
+
+
+def close(a, b, tol=1e-10):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+LENGTHS = {"left": [(3, 40), (0, 40)], "right": [(0, 29), (0, 40)], "both": [(5, 33), (1, 40)]}
+
+
+@pytest.mark.parametrize("pad", list(LENGTHS))
+@pytest.mark.parametrize("favor", INPUTS)
+@pytest.mark.parametrize("rotary", ROT)
+@pytest.mark.parametrize("causal", MODES)
+def test_mask_rows_equal_rows_alone(causal, rotary, favor, pad):
+    N = 40
+    q, k, v, w = make(2, N, favor, seed=len(pad))
+    mask = torch.zeros(2, N, dtype=torch.bool)
+    for b, (s, e) in enumerate(LENGTHS[pad]):
+        mask[b, s:e] = True
+    kw = dict(causal=causal, rotary=rotary, projection=w, offset=7)
+    out = fast(q, k, v, mask=mask, chunk_size=8, block_size=16, **kw)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), **F64)
+    grads = vjp(out, (q, k, v), up)
+    close(out, naive(q, k, v, mask=mask, **kw))
+    for b, (s, e) in enumerate(LENGTHS[pad]):
+        alone = [t[b : b + 1, :, s:e].detach().requires_grad_() for t in (q, k, v)]
+        ref = naive(*alone, **kw)
+        close(out[b : b + 1, :, s:e], ref)
+        for g, ga in zip(grads, vjp(ref, alone, up[b : b + 1, :, s:e])):
+            close(g[b : b + 1, :, s:e], ga, 1e-9)
+        pads = ~mask[b]
+        assert (out[b, :, pads] == 0).all() and torch.isfinite(out).all()
+        for g in grads:  # padding gets no gradient: it took part in nothing
+            assert (g[b, :, pads] == 0).all()
+
+
+@pytest.mark.parametrize("favor", INPUTS)
+@pytest.mark.parametrize("rotary", ROT)
+@pytest.mark.parametrize("causal", MODES)
+def test_packed_documents_equal_documents_alone(causal, rotary, favor):
+    lengths = [17, 1, 30, 9]
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, w = make(1, T, favor, seed=3)
+    kw = dict(causal=causal, rotary=rotary, projection=w)
+    out, state = fast(q, k, v, cu_seqlens=cu, output_final_state=True, chunk_size=8, block_size=16, **kw)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), **F64)
+    grads = vjp(out, (q, k, v), up)
+    close(out, naive(q, k, v, cu_seqlens=cu, **kw))
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = [t[:, :, s:e].detach().requires_grad_() for t in (q, k, v)]
+        ref, ref_state = naive(*alone, output_final_state=True, **kw)
+        close(out[:, :, s:e], ref)
+        close(state.S[d : d + 1], ref_state.S)
+        close(state.z[d : d + 1], ref_state.z)
+        for g, ga in zip(grads, vjp(ref, alone, up[:, :, s:e])):
+            close(g[:, :, s:e], ga, 1e-9)
+
+
+@pytest.mark.parametrize("split", [1, 20, 39])
+@pytest.mark.parametrize("favor", INPUTS)
+@pytest.mark.parametrize("rotary", ROT)
+def test_two_chained_calls_equal_one(rotary, favor, split):
+    N = 40
+    q, k, v, w = make(2, N, favor, seed=split)
+    kw = dict(causal=True, rotary=rotary, projection=w)
+    one = fast(q, k, v, offset=4, **kw)
+    up = torch.randn(one.shape, generator=torch.Generator().manual_seed(7), **F64)
+    a, st = fast(q[:, :, :split], k[:, :, :split], v[:, :, :split], offset=4, output_final_state=True, **kw)
+    b = fast(q[:, :, split:], k[:, :, split:], v[:, :, split:], offset=4 + split, initial_state=st, **kw)
+    two = torch.cat((a, b), dim=2)
+    close(two, one)
+    close(one, naive(q, k, v, offset=4, **kw))
+    # the gradient flows through the state from the second call back into the first
+    for g1, g2 in zip(vjp(one, (q, k, v), up), vjp(two, (q, k, v), up)):
+        close(g1, g2, 1e-9)
+
+
+@pytest.mark.parametrize("favor", INPUTS)
+@pytest.mark.parametrize("causal", MODES)
+def test_initial_state_and_final_state_gradients(causal, favor):
+    q, k, v, w = make(2, 23, favor, seed=11)
+    g = torch.Generator().manual_seed(1)
+    S0 = torch.randn(2, H, M, E, generator=g, **F64).requires_grad_()
+    z0 = (torch.rand(2, H, M, generator=g, **F64) + 0.1).requires_grad_()
+    kw = dict(causal=causal, rotary=True, projection=w, offset=3, initial_state=LinearAttentionState(S0, z0),
+              output_final_state=True)
+    out, (S, z) = fast(q, k, v, chunk_size=8, block_size=8, **kw)
+    ref, (Sr, zr) = naive(q, k, v, **kw)
+    for a, b in ((out, ref), (S, Sr), (z, zr)):
+        close(a, b)
+    ups = [torch.randn(t.shape, generator=g, **F64) for t in (out, S, z)]
+    inputs = (q, k, v, S0, z0)
+    got = vjp((out, S, z), inputs, ups)
+    want = vjp((ref, Sr, zr), inputs, ups)
+    for a, b in zip(got, want):
+        close(a, b, 1e-9)
+
+
+@pytest.mark.parametrize("favor", INPUTS)
+def test_cross_attention_with_key_mask(favor):
+    q, k, v, w = make(2, 12, favor, seed=4, Nk=19)
+    key_mask = torch.ones(2, 19, dtype=torch.bool)
+    key_mask[0, 15:] = False
+    key_mask[1, :4] = False
+    kw = dict(causal=False, rotary=False, projection=w)
+    out = fast(q, k, v, key_mask=key_mask, **kw)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), **F64)
+    grads = vjp(out, (q, k, v), up)
+    for b, (s, e) in enumerate([(0, 15), (4, 19)]):
+        alone = [q[b : b + 1].detach().requires_grad_()] + [t[b : b + 1, :, s:e].detach().requires_grad_() for t in (k, v)]
+        ref = naive(*alone, **kw)
+        close(out[b : b + 1], ref)
+        ga = vjp(ref, alone, up[b : b + 1])
+        close(grads[0][b : b + 1], ga[0], 1e-9)
+        close(grads[1][b : b + 1, :, s:e], ga[1], 1e-9)
+        close(grads[2][b : b + 1, :, s:e], ga[2], 1e-9)
+        assert (grads[1][b, :, ~key_mask[b]] == 0).all()
+
+
+@pytest.mark.parametrize("favor", INPUTS)
+@pytest.mark.parametrize("rotary", ROT)
+def test_ragged_prefill_then_per_row_steps(rotary, favor):
+    """Left-padded prompts of different lengths, prefilled under a mask, then decoded with per-row
+    positions, give every row exactly what it gets alone."""
+    q, k, v, w = make(3, 30, favor, seed=9)
+    lens = [12, 20, 7]
+    P = max(lens)
+    mask = torch.zeros(3, P, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        mask[b, P - n :] = True
+    # row b alone: its prompt (the last lens[b] tokens of the padded prefix), then 10 decoded tokens
+    idx = [list(range(P - n, P)) + list(range(P, P + 10)) for n in lens]
+    kw = dict(rotary=rotary, projection=w)
+    out, state = fast(q[:, :, :P], k[:, :, :P], v[:, :, :P], mask=mask, output_final_state=True, **kw)
+    outs, pos = [], mask.sum(1)
+    for t in range(P, P + 10):
+        o, state = step(q[:, :, t], k[:, :, t], v[:, :, t], state, pos, **kw)
+        outs.append(o)
+        pos = pos + 1
+    dec = torch.stack(outs, dim=2)
+    for b in range(3):
+        i = torch.tensor(idx[b])
+        ref = naive(q[b : b + 1, :, i], k[b : b + 1, :, i], v[b : b + 1, :, i], **kw)
+        close(out[b : b + 1, :, P - lens[b] :], ref[:, :, : lens[b]])
+        close(dec[b : b + 1], ref[:, :, lens[b] :])
+
+
+def test_step_with_int_and_tensor_positions_agree():
+    q, k, v, w = make(2, 3, True, seed=2)
+    a, sa = step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, 5, projection=w)
+    b, sb = step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, torch.tensor([5, 5]), projection=w)
+    close(a, b)
+    close(sa.S, sb.S)
+
+
+# --- misuse -------------------------------------------------------------------------------------
+
+def _small(favor=False):
+    return [None if t is None else t.detach() for t in make(2, 5, favor)]
+
+
+def test_negative_features_are_refused_unless_allowed():
+    q, k, v, _ = _small()
+    with pytest.raises(ValueError, match="non-negative.*allow_negative"):
+        fast(q - 1.0, k, v)
+    with pytest.raises(ValueError, match="k: features must be non-negative"):
+        naive(q, k - 1.0, v)
+    with pytest.raises(ValueError, match="non-negative"):
+        step(q[:, :, 0] - 1.0, k[:, :, 0], v[:, :, 0], None, 0)
+    out = fast(q - 0.001, k, v, allow_negative=True)  # the caller opted out
+    assert out.shape == v.shape
+
+
+@pytest.mark.parametrize("mask, match", [
+    (torch.ones(2, 4, dtype=torch.bool), r"mask must have shape \[2, 5\]"),
+    (torch.ones(2, 5), "mask must be a bool tensor"),
+    (torch.ones(2, 5, dtype=torch.long), "mask must be a bool tensor"),
+    ([[True] * 5] * 2, "mask must be a bool tensor"),
+], ids=["shape", "float", "long", "list"])
+def test_bad_mask(mask, match):
+    q, k, v, _ = _small()
+    with pytest.raises(ValueError, match=match):
+        fast(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("cu, match", [
+    (torch.tensor([0, 3, 3, 5], dtype=torch.int32), "strictly increase"),
+    (torch.tensor([0, 3, 4], dtype=torch.int32), "end at T=5"),
+    (torch.tensor([1, 3, 5], dtype=torch.int32), "start at 0"),
+    (torch.tensor([0.0, 5.0]), "int32"),
+], ids=["not-increasing", "short", "not-from-0", "float"])
+def test_bad_cu_seqlens(cu, match):
+    q, k, v, _ = (None if t is None else t[:1] for t in _small())
+    with pytest.raises(ValueError, match=match):
+        fast(q, k, v, cu_seqlens=cu)
+
+
+def test_cu_seqlens_needs_one_row():
+    q, k, v, _ = _small()
+    with pytest.raises(ValueError, match="one row"):
+        fast(q, k, v, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+
+
+def test_bad_state():
+    q, k, v, _ = _small()
+    _, st = fast(q, k, v, output_final_state=True)
+    with pytest.raises(ValueError, match=r"initial_state: S \[2, 2, 10, 5\].*want S \[1, 2, 10, 5\]"):
+        fast(q[:1], k[:1], v[:1], initial_state=st)
+    with pytest.raises(ValueError, match="initial_state"):
+        fast(q, k, v, initial_state=(st.S[..., :3], st.z))
+    with pytest.raises(ValueError, match="LinearAttentionState"):
+        fast(q, k, v, initial_state=st.S)
+    with pytest.raises(ValueError, match="initial_state"):
+        step(q[:, :, 0], k[:, :, 0], v[:, :, :1, 0], st, 5)
+
+
+def test_bad_positions_and_cross_attention():
+    q, k, v, _ = _small()
+    with pytest.raises(ValueError, match="offset"):
+        fast(q, k, v, offset=torch.tensor([1, -1]))
+    with pytest.raises(ValueError, match="offset"):
+        fast(q, k, v, offset=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="position"):
+        step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match="cross-attention"):
+        fast(q, k, v, key_mask=torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_double_backward_is_a_one_line_error():
+    q, k, v, w = make(1, 9, True)
+    out = fast(q, k, v, projection=w)
+    with pytest.raises(RuntimeError, match="double backward") as err:
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert "\n" not in str(err.value).strip()
