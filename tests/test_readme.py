@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_readme_api_snippet_runs():
     text = (ROOT / "README.md").read_text()
-    section = text.split("## The layer in your model", 1)[1]
+    section = text.split("## Use the layer in your own model", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
 
