@@ -62,7 +62,7 @@ def _speed(p: dict) -> list[str]:
     if p.get("memory"):
         out += [f"Peak memory: {p['memory']}", ""]
     impls = list(p.get("impls", {}))
-    reasons = set()
+    reasons: dict[str, list[int]] = {}
     for B, H in cfg.get("configs", []):
         table = []
         for n in cfg.get("ns", []):
@@ -76,8 +76,10 @@ def _speed(p: dict) -> list[str]:
                     if r.get("status") == "ok":
                         cells.append(r["ms"])
                     else:
-                        reasons.add(f"{i}: {r.get('status', 'not reached')}")
+                        reasons.setdefault(f"{i}: {r.get('status', 'not reached (the part stopped)')}", []).append(n)
                         cells.append("needs CUDA" if str(r.get("status", "")).startswith(NEEDS_CUDA) else "-")
+                if all(not isinstance(c, float) for c in cells[2:]):
+                    continue  # nothing measured in this row: the reasons are listed below the table
                 o, s = get.get("ours", {}), get.get("sdpa", {})
                 cells.append(s["ms"] / o["ms"] if "ms" in o and "ms" in s else None)
                 cells.append(f"{fmt(o['tflops'])} ({_pct(o.get('frac_bf16_peak')) or 'no peak'})" if "tflops" in o else None)
@@ -89,7 +91,8 @@ def _speed(p: dict) -> list[str]:
                     format_table(["N", "mode", *[f"{i} ms" for i in impls], "sdpa/ours", "ours TFLOP/s",
                                   "sdpa TFLOP/s", "ours MiB", "sdpa MiB"], table), ""]
     if reasons:
-        out += ["Not measured (\"-\"):", *[f"- {r}" for r in sorted(reasons)], ""]
+        out += ["Not measured (\"-\", or rows left out):",
+                *[f"- {r} ({len(ns)} cells, N={min(ns)}..{max(ns)})" for r, ns in sorted(reasons.items())], ""]
     for key, c in p.get("crossover", {}).items():
         if isinstance(c, str):
             out.append(f"- crossover against flash, {key}: {c}")

@@ -173,7 +173,7 @@ def run(ctx: Ctx, res: dict) -> None:
                         continue
                     est = (prev or 0.0) * GROWTH.get(name, 2.2) * (2 + cfg["reps"]) / 1e3
                     if ctx.left() < max(est, 1.0):
-                        row["status"] = f"skipped: part budget spent ({ctx.left():.0f} s left, forecast {est:.1f} s)"
+                        row.update(status="skipped: part budget spent", detail=f"{ctx.left():.0f} s left, forecast {est:.1f} s")
                         continue
                     why = _performer_too_big(ctx, B, H, n, mode) if name == "performer" else None
                     if why:

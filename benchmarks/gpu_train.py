@@ -30,7 +30,7 @@ from .attention import ours_flops
 from .gpu_common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
 
 LR, WARMUP = 3e-4, 20
-FULL = dict(preset="paper", seq=1024, batch=16, warmup_steps=3, max_steps=400, eager_share=0.35,
+FULL = dict(preset="paper", seq=1024, batch=16, warmup_steps=3, max_steps=400, eager_share=0.3,
             gen_contexts=(1024, 16384), gen_batch=8, gen_steps=64, corpus_bytes=1 << 26)
 QUICK = dict(preset="tiny", seq=64, batch=4, warmup_steps=1, max_steps=8, eager_share=0.5,
              gen_contexts=(64, 256), gen_batch=2, gen_steps=4, corpus_bytes=1 << 20)
