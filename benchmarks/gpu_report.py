@@ -36,7 +36,8 @@ def _correctness(p: dict) -> list[str]:
                          f"after: {c['max_abs_from_t0']:.3g}", "-", "exact", verdict])
         elif "losses" in c:
             rows.append([c["check"], c["dtype"], "losses " + ", ".join(f"{x:.3f}" for x in c["losses"]),
-                         "grad norms " + ", ".join(f"{x:.3g}" for x in c["grad_norms"]), "-", "finite", verdict])
+                         "grad norms " + ", ".join(f"{x:.3g}" for x in c["grad_norms"])
+                         + f" ({c.get('steps_applied')}/{len(c['losses'])} steps applied)", "-", "finite", verdict])
         else:
             base = c.get("naive_fp32_max_rel_to_max")
             tol = f"{c['rtol']:.3g} / {c['atol']:.3g}" + (f" / {c['grad_atol']:.3g}" if "grad_atol" in c else "")
@@ -93,6 +94,16 @@ def _speed(p: dict) -> list[str]:
     if reasons:
         out += ["Not measured (\"-\", or rows left out):",
                 *[f"- {r} ({len(ns)} cells, N={min(ns)}..{max(ns)})" for r, ns in sorted(reasons.items())], ""]
+    prof = p.get("profile")
+    if isinstance(prof, dict):
+        busy = (f"{prof['kernels']} kernels, {fmt(prof['kernel_ms'])} ms of kernel time = "
+                f"{_pct(prof['gpu_busy_fraction'])} of the wall time" if "kernel_ms" in prof else _cell(prof["kernels"]))
+        out += [f"Profile of ours, fwd+bwd at B={prof['B']}, H={prof['H']}, N={prof['N']} (torch.profiler): "
+                f"{fmt(prof['wall_ms_profiled'])} ms wall; {busy}. Top ops by {prof['sorted_by']}: "
+                + ", ".join(f"{t['op']} {fmt(t['self_ms'])} ms ({_pct(t['share'])}, {t['calls']} calls)"
+                            for t in prof["top"][:8]) + ".", ""]
+    elif prof:
+        out += [f"Profile of ours: {prof}", ""]
     for key, c in p.get("crossover", {}).items():
         if isinstance(c, str):
             out.append(f"- crossover against flash, {key}: {c}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,10 @@ from .gpu_common import NEEDS_CUDA, Ctx, PartTimeout, is_oom, one_line, time_cal
 
 D, M, FLA_K = 64, 266, 64
 MODES = ("fwd", "fwd+bwd")
-FULL = dict(configs=((1, 12), (8, 12)), ns=(1024, 2048, 4096, 8192, 16384, 32768), reps=10, cell_max_s=0.5)
-QUICK = dict(configs=((1, 2), (2, 2)), ns=(64, 128), reps=2, cell_max_s=0.1)
+FULL = dict(configs=((1, 12), (8, 12)), ns=(1024, 2048, 4096, 8192, 16384, 32768), reps=10, cell_max_s=0.5,
+            profile=(8, 12, 4096))
+QUICK = dict(configs=((1, 2), (2, 2)), ns=(64, 128), reps=2, cell_max_s=0.1, profile=(1, 2, 128))
+PROFILE_MIN_S = 10.0  # budget left for the profile of ours
 GROWTH = {"sdpa": 4.0}  # time x per doubling of N, for the budget forecast; others 2.2
 
 
@@ -156,56 +159,74 @@ def run(ctx: Ctx, res: dict) -> None:
                impls={n: d for n, (_, d) in ops.items()}, rows=[], crossover={},
                memory=None if ctx.cuda else f"{NEEDS_CUDA} (torch.cuda.max_memory_allocated)")
     gen = torch.Generator(device=ctx.device).manual_seed(0)
-    for B, H in cfg["configs"]:
-        last: dict[tuple[str, str], float | str] = {}
+    last: dict[tuple, float | str] = {}  # (B, H, impl, mode) -> ms at the last N, or why it stopped
+    try:  # N outside, the two shapes inside: when the budget ends, both have the smaller N
         for n in cfg["ns"]:
-            q, k, v = (torch.randn(B, H, n, D, device=ctx.device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
-            for name, (fn, desc) in ops.items():
-                for mode in MODES:
-                    row = {"B": B, "H": H, "N": n, "impl": name, "mode": mode}
-                    res["rows"].append(row)
-                    if fn is None:
-                        row["status"] = desc
-                        continue
-                    prev = last.get((name, mode))
-                    if isinstance(prev, str):
-                        row["status"] = f"skipped: {prev} at a smaller N"
-                        continue
-                    est = (prev or 0.0) * GROWTH.get(name, 2.2) * (2 + cfg["reps"]) / 1e3
-                    if ctx.left() < max(est, 1.0):
-                        row.update(status="skipped: part budget spent", detail=f"{ctx.left():.0f} s left, forecast {est:.1f} s")
-                        continue
-                    why = _performer_too_big(ctx, B, H, n, mode) if name == "performer" else None
-                    if why:
-                        row["status"], last[(name, mode)] = why, "too big"
-                        continue
-                    try:
-                        r = _measure(ctx, name, fn, mode, q, k, v, cfg)
-                    except PartTimeout:
-                        row["status"] = "skipped: part budget spent during this call"
-                        raise
-                    except Exception as e:
-                        oom = is_oom(e)
-                        row["status"] = f"error: {'out of memory' if oom else one_line(e)}"
-                        last[(name, mode)] = "out of memory" if oom else "an error"
-                        if ctx.cuda:
-                            torch.cuda.empty_cache()
-                        continue
-                    tf = _flops(name, n, B * H, mode == "fwd+bwd") / (r["ms"] / 1e3) / 1e12
-                    row.update(status="ok", **r, tflops=tf, frac_bf16_peak=tf / peak if peak else None)
-                    last[(name, mode)] = r["ms"]
-            del q, k, v
-            if ctx.cuda:
-                torch.cuda.empty_cache()
-        for mode in MODES:
-            ms = {i: {r["N"]: r.get("ms") for r in res["rows"] if (r["B"], r["H"], r["impl"], r["mode"]) == (B, H, i, mode)}
-                  for i in ops}
-            key = f"B={B},H={H},{mode}"
-            if not ctx.cuda:
-                res["crossover"][key] = f"{NEEDS_CUDA} (against flash)"
-                continue
-            res["crossover"][key] = {"ours_vs_sdpa": crossover(cfg["ns"], ms["ours"], ms["sdpa"]),
-                                     "fla_chunk_vs_sdpa": crossover(cfg["ns"], ms["fla_chunk"], ms["sdpa"])}
+            for B, H in cfg["configs"]:
+                q, k, v = (torch.randn(B, H, n, D, device=ctx.device, dtype=torch.bfloat16, generator=gen)
+                           for _ in range(3))
+                for name, (fn, desc) in ops.items():
+                    for mode in MODES:
+                        _cell(ctx, cfg, res, last, (B, H, name, mode), n, fn, desc, q, k, v, peak)
+                del q, k, v
+                if ctx.cuda:
+                    torch.cuda.empty_cache()
+        if ctx.left() > PROFILE_MIN_S or ctx.quick:
+            try:
+                res["profile"] = profile_ours(ctx, ops["ours"][0], *cfg["profile"])
+            except Exception as e:
+                res["profile"] = f"error: {one_line(e)}"
+        else:
+            res["profile"] = "skipped: part budget spent"
+    finally:  # also when the budget's deadline cuts the part short
+        for B, H in cfg["configs"]:
+            for mode in MODES:
+                key = f"B={B},H={H},{mode}"
+                if not ctx.cuda:
+                    res["crossover"][key] = f"{NEEDS_CUDA} (against flash)"
+                    continue
+                ms = {i: {r["N"]: r.get("ms") for r in res["rows"] if (r["B"], r["H"], r["impl"], r["mode"]) == (B, H, i, mode)}
+                      for i in ops}
+                res["crossover"][key] = {"ours_vs_sdpa": crossover(cfg["ns"], ms["ours"], ms["sdpa"]),
+                                         "fla_chunk_vs_sdpa": crossover(cfg["ns"], ms["fla_chunk"], ms["sdpa"])}
+
+
+def _cell(ctx: Ctx, cfg, res, last, key, n, fn, desc, q, k, v, peak) -> None:
+    """Measure one (B, H, impl, mode) at N into a new row of ``res``, or say why not."""
+    B, H, name, mode = key
+    row = {"B": B, "H": H, "N": n, "impl": name, "mode": mode}
+    res["rows"].append(row)
+    if fn is None:
+        row["status"] = desc
+        return
+    prev = last.get(key)
+    if isinstance(prev, str):
+        row["status"] = f"skipped: {prev} at a smaller N"
+        return
+    # forecast: warmup, the upstream-gradient call and at least one timed call, plus the timing cap
+    est = 3 * (prev or 0.0) * GROWTH.get(name, 2.2) / 1e3 + (cfg["cell_max_s"] if prev else 0.0)
+    if ctx.left() < max(est, 1.0):
+        row.update(status="skipped: part budget spent", detail=f"{ctx.left():.0f} s left, forecast {est:.1f} s")
+        return
+    why = _performer_too_big(ctx, B, H, n, mode) if name == "performer" else None
+    if why:
+        row["status"], last[key] = why, "too big"
+        return
+    try:
+        r = _measure(ctx, name, fn, mode, q, k, v, cfg)
+    except PartTimeout:
+        row["status"] = "skipped: part budget spent during this call"
+        raise
+    except Exception as e:
+        oom = is_oom(e)
+        row["status"] = f"error: {'out of memory' if oom else one_line(e)}"
+        last[key] = "out of memory" if oom else "an error"
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+        return
+    tf = _flops(name, n, B * H, mode == "fwd+bwd") / (r["ms"] / 1e3) / 1e12
+    row.update(status="ok", **r, tflops=tf, frac_bf16_peak=tf / peak if peak else None)
+    last[key] = r["ms"]
 
 
 def _measure(ctx: Ctx, name: str, fn, mode: str, q, k, v, cfg) -> dict:
@@ -223,3 +244,42 @@ def _measure(ctx: Ctx, name: str, fn, mode: str, q, k, v, cfg) -> dict:
     def call():
         torch.autograd.grad(fn(*leaves), leaves, up)
     return time_call(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
+
+
+def profile_ours(ctx: Ctx, fn, B: int, H: int, n: int, top: int = 12) -> dict:
+    """One fwd+bwd of ours under torch.profiler: where the time goes, and (CUDA) how busy the
+    GPU is: kernel time / wall time, and the number of kernels. A low busy fraction with many
+    small kernels means the op is bound by launches (Python and the block loop), not by the GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device=ctx.device).manual_seed(1)
+    leaves = [torch.randn(B, H, n, D, device=ctx.device, dtype=torch.bfloat16, generator=g).requires_grad_()
+              for _ in range(3)]
+    up = torch.randn(B, H, n, D, device=ctx.device, dtype=torch.bfloat16, generator=g)
+
+    def call():
+        torch.autograd.grad(fn(*leaves), leaves, up)
+    call()
+    ctx.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        call()
+        ctx.sync()
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    attr = "self_device_time_total" if ctx.cuda else "self_cpu_time_total"
+    ops = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CPU),
+                 key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in ops) or 1.0
+    out = {"B": B, "H": H, "N": n, "mode": "fwd+bwd", "wall_ms_profiled": wall_ms,
+           "sorted_by": attr.replace("_total", "") + " (us)",
+           "top": [{"op": e.key, "calls": e.count, "self_ms": getattr(e, attr) / 1e3,
+                    "share": getattr(e, attr) / total} for e in ops[:top]]}
+    if ctx.cuda:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+        out.update(kernels=len(kernels), kernel_ms=busy, gpu_busy_fraction=busy / wall_ms)
+    else:
+        out.update(kernels=f"{NEEDS_CUDA} (kernel counts and GPU busy time)")
+    return out
