@@ -41,9 +41,14 @@ from pathlib import Path
 
 import torch
 
-from . import gpu_checks, gpu_speed, gpu_train
-from .gpu_common import BENCH_DIR, NEEDS_CUDA, Ctx, PartTimeout, deadline, device_info, one_line
-from .gpu_report import render
+try:  # performer-pytorch (which draws the FAVOR+ projections) imports distutils, which Python 3.12
+    import distutils  # noqa: F401  has only through setuptools' shim; importing setuptools installs it
+except ImportError:
+    import setuptools  # noqa: F401
+
+from . import gpu_checks, gpu_speed, gpu_train  # noqa: E402
+from .gpu_common import BENCH_DIR, NEEDS_CUDA, Ctx, PartTimeout, deadline, device_info, one_line  # noqa: E402
+from .gpu_report import render  # noqa: E402
 
 # Part name -> (title, runner, share of the budget). Run in this order; the JSON and the
 # Markdown list them by number.
