@@ -12,7 +12,7 @@ One process on one device, parts in this order, each with a wall-time budget (a 
    fp16 training steps;
 2. **op_speed** (``gpu_speed``): ours vs flash SDPA vs fla vs performer-pytorch, fwd and
    fwd+bwd, B*H = 12 and B=8 x H=12, N = 1k..32k: times, ratios, the crossover N against
-   flash, TFLOP/s against the card's bf16 peak, peak memory;
+   flash, TFLOP/s against the card's bf16 peak, peak memory, and a profile of ours;
 4. **generation** (``gpu_train.run_generation``): batched decoding at 1k and 16k positions;
 3. **training** (``gpu_train.run_training``): the ``paper`` preset under bf16 autocast, eager,
    then ``torch.compile``: tokens/s, MFU, peak memory, a loss curve (run last: compiling may
@@ -23,12 +23,14 @@ what it measured, and the Markdown section ``gpu.md`` beside it. Exit code: 1 if
 check failed (or part 1 did not finish), 2 if another part raised, else 0. Parts the CPU cannot
 run say "skipped: needs CUDA".
 
-On the device machine (no network there; wheels are carried, see ``benchmarks/gpu_wheels.sh``;
-the shared sample is carried as ``data/enwiki-sample.xml.bz2``)::
+It needs performer-pytorch (FAVOR+ projections, the performer baseline) and, for the fla rows,
+fla-core beside the GPU's torch. On a device machine without network, ``bash
+benchmarks/gpu_wheels.sh`` here fetches their wheels into ``.whl/`` and copies the shared sample
+to ``data/``; the device call carries both (``carry: [".whl", "data/enwiki-sample.xml.bz2"]``)::
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT/gpu.json
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \\
+        --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
+    PYTHONUNBUFFERED=1 timeout 570 python3 -m benchmarks.gpu --out $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
 """
 from __future__ import annotations
 
