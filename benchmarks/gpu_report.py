@@ -115,19 +115,20 @@ def _speed(p: dict) -> list[str]:
 
 
 def _training(p: dict) -> list[str]:
-    out = [f"Preset `{p.get('preset')}` ({p.get('params', 0) / 1e6:.1f}M parameters), sequence {p.get('seq')}, "
+    out = [f"Preset `{p.get('preset')}` ({fmt(p.get('params', 0) / 1e6)}M parameters), sequence {p.get('seq')}, "
            f"{p.get('autocast')} autocast, {p.get('optimizer')}. Data: {p.get('data')}. {p.get('batch_note', '')}", ""]
-    rows = []
+    rows, why = [], []
     for phase in ("eager", "compiled"):
         r = p.get(phase)
         if isinstance(r, dict):
             rows.append([phase, r["batch"], r["tokens_per_s"], _pct(r["mfu"]) or _cell(r["mfu"]), r["ms_per_step"],
                          _cell(r["peak_memory_mib"]), r.get("compile_s"), r["timed_steps"], r["last_loss"]])
         elif r is not None:
-            rows.append([phase, r, "-", "-", "-", "-", "-", "-", "-"])
+            why.append(f"- {phase}: {r}")
     if rows:
         out += [format_table(["phase", "batch", "tokens/s", "MFU (bf16 peak)", "ms/step", "peak MiB", "compile s",
                               "timed steps", "last loss"], rows), ""]
+    out += why + ([""] if why else [])
     if isinstance(p.get("compiled"), dict):
         c = p["compiled"]
         out += [f"Compiled vs eager, first compiled step's loss on one batch: {c['first_step_loss_compiled']:.4f} vs "
