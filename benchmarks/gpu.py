@@ -55,10 +55,10 @@ from .gpu_report import render  # noqa: E402
 # Part name -> (title, runner, share of the budget). Run in this order; the JSON and the
 # Markdown list them by number.
 PARTS = {
-    "correctness": ("1. Correctness on the device", lambda ctx, res: res.update(gpu_checks.run(ctx)), 0.10),
-    "op_speed": ("2. Op speed", gpu_speed.run, 0.38),
+    "correctness": ("1. Correctness on the device", lambda ctx, res: res.update(gpu_checks.run(ctx)), 0.15),
+    "op_speed": ("2. Op speed", gpu_speed.run, 0.35),
     "generation": ("4. Generation", gpu_train.run_generation, 0.06),
-    "training": ("3. Training", gpu_train.run_training, 0.46),
+    "training": ("3. Training", gpu_train.run_training, 0.44),
 }
 ORDER = ("correctness", "op_speed", "training", "generation")
 GRACE_S = 20.0  # past a part's budget before its deadline fires (a call in flight may finish)
