@@ -114,14 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(device=device, quick=a.quick, data=a.data, train_batch=a.train_batch, gen_batch=a.gen_batch,
               compile=a.compile == "on" or (a.compile == "auto" and device.type == "cuda"))
     out = Path(a.out)
+    ctx.save = lambda: _write(result, out)
     t_start = time.perf_counter()
-    result = {
+    result: dict = {
         "name": "gpu", "command": " ".join(["python -m benchmarks.gpu", *argv]), "quick": a.quick,
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "budget_s": budget,
         "device": device_info(device), "tf32": a.tf32, "finished": False,
         "cpu_mode_note": None if device.type == "cuda" else
         f"CPU mode: toy sizes, figures mean nothing; flash, fla and CUDA memory: {NEEDS_CUDA}",
-        "parts": {name: {"title": PARTS[name][0], "status": "not run (--parts)"} for name in ORDER},
+        "parts": {name: {"title": PARTS[name][0], "status": "not reached (the run stopped before it)" if name in a.parts
+                         else "not run (--parts)"} for name in ORDER},
     }
     shares = sum(PARTS[n][2] for n in a.parts)
     for name in (n for n in PARTS if n in a.parts):
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         # TF32 (--tf32) only where speed is measured: the checks' float32 tolerances assume float32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = a.tf32 and name != "correctness"
         ctx.start_part(rec["budget_s"])
+        ctx.save()  # "running" in the file until it ends: a run killed from outside shows where
         t0 = time.perf_counter()
         try:
             with deadline(rec["budget_s"] + GRACE_S):

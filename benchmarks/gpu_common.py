@@ -100,6 +100,7 @@ class Ctx:
     gen_batch: int | None = None
     part_start: float = 0.0
     part_budget: float = math.inf
+    save: Callable[[], None] = lambda: None  # writes the JSON and Markdown so far (a killed run keeps them)
 
     @property
     def cuda(self) -> bool:

@@ -171,6 +171,7 @@ def run(ctx: Ctx, res: dict) -> None:
                 del q, k, v
                 if ctx.cuda:
                     torch.cuda.empty_cache()
+            ctx.save()
         if ctx.left() > PROFILE_MIN_S or ctx.quick:
             try:
                 res["profile"] = profile_ours(ctx, ops["ours"][0], *cfg["profile"])

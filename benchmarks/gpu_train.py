@@ -129,6 +129,7 @@ def run_training(ctx: Ctx, res: dict) -> None:
     run.fit_batch()
     res["eager"] = run.phase("eager", ctx.left() * cfg["eager_share"], cfg["warmup_steps"])
     print(f"[training] eager: {res['eager']['tokens_per_s']:.0f} tokens/s, batch {run.batch}", flush=True)
+    ctx.save()
     if not ctx.compile:
         res["compiled"] = (f"{NEEDS_CUDA} (torch.compile is timed on CUDA only: a CPU compile of even the "
                            "tiny model takes minutes here; --compile on forces it)" if not ctx.cuda else
