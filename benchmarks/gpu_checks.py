@@ -1,0 +1,344 @@
+"""Part 1 of ``benchmarks.gpu``: is every path right on the device?
+
+* **Fast vs naive**, for every keyword (``CASES``), in float64, float32, bfloat16 and float16:
+  the public ``rotary_linear_attention`` against ``naive_rotary_linear_attention`` run in
+  float64 on the same (rounded) inputs, outputs, final states and the gradients of q, k, v for a
+  random upstream gradient (of the final state too). A check passes when every element obeys
+  ``|fast - ref| <= atol * max|ref| + rtol * |ref|``, tolerances in ``tolerance``.
+* **Strict causality**: new keys, values and queries from position t0 on leave every output
+  before t0 *exactly* unchanged (difference 0.0), for the op and for the LM.
+* **Step = forward**: token-by-token ``rotary_linear_attention_step`` / ``PerformerLM.step``
+  against the parallel forward.
+* **Finite training steps** of the tiny LM under bf16 and fp16 autocast (fp16 with a
+  GradScaler), and on CUDA of the paper preset in fp16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from linear_rope import (
+    FavorFeatures, PerformerLM, RotaryLinearAttention, naive_rotary_linear_attention, rotary_linear_attention,
+    rotary_linear_attention_step,
+)
+
+from .gpu_common import Ctx, one_line
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+FULL = dict(B=2, H=3, N=300, d=64, m=266)  # paper head dims; N > one 256-token block
+QUICK = dict(B=2, H=2, N=70, d=64, m=266)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """rtol, atol (relative to max|ref|; ``grad_atol`` for the gradients) and why. The fast path
+    computes in float32 (float64 for float64 inputs) whatever the input dtype and rounds once, to
+    the input dtype, at the end; so a half-precision result may be off by float32's error plus
+    half an ulp (relative; absolute among subnormals)."""
+    f32 = dict(rtol=1e-4, atol=1e-5, grad_atol=5e-4)
+    f32_why = ("float32 sums over N tokens and m = 266 exp features: outputs and states measured to 6e-6 x max; "
+               "the gradients of k and v to 1.7e-4 x max, up to 40x a naive float32 run, because the hand-written "
+               "backward forms suffix sums as total - prefix (linear_rope/ops/chunk.py _excl_suffix), whose "
+               "round-off scales with the whole sequence's sum: hence grad_atol 5e-4")
+    if dtype == torch.float64:
+        return dict(rtol=1e-9, atol=1e-10, grad_atol=1e-10,
+                    why="float64 throughout: round-off of other summation orders only (measured about 1e-14 x max)")
+    if dtype == torch.float32:
+        return dict(**f32, why=f32_why)
+    fi = torch.finfo(dtype)
+    return dict(rtol=f32["rtol"] + fi.eps / 2, atol=f32["atol"], grad_atol=f32["grad_atol"],
+                tiny=fi.smallest_normal * fi.eps / 2,
+                why=f"computed in float32, rounded once to {str(dtype)[6:]}: float32's tolerances + half an ulp "
+                    f"({fi.eps / 2:.2e} relative; {fi.smallest_normal * fi.eps / 2:.1e} absolute among subnormals)")
+
+
+def _rand(shape, g, *, positive=False):
+    return (torch.rand(shape, generator=g, dtype=torch.float64) + 0.01) if positive else \
+        torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor, tol: dict, grad: bool = False) -> dict:
+    """Measured error of ``a`` against the float64 reference ``b``."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().clamp_min(1e-300)
+    diff = (a - b).abs()
+    allowed = tol["grad_atol" if grad else "atol"] * scale + tol["rtol"] * b.abs() + tol.get("tiny", 0.0)
+    ratio = float((diff / allowed).max()) if torch.isfinite(a).all() else float("inf")
+    return {"max_abs": float(diff.max()), "max_rel_to_max": float(diff.max() / scale), "worst_over_tol": ratio}
+
+
+def _outputs(res):
+    """(out, tensors of a final state or ()) of an op result."""
+    return (res[0], tuple(res[1])) if isinstance(res, tuple) else (res, ())
+
+
+# --- the keyword cases: each builds inputs (float64, CPU) and calls an op -------------------------
+
+def _case_inputs(s, g, *, features=False, M=None):
+    B, H, N, x = s["B"], s["H"], s["N"], (s["m"] if features else s["d"])
+    q = _rand((B, H, N, x), g, positive=features)
+    k = _rand((B, H, M or N, x), g, positive=features)
+    v = _rand((B, H, M or N, s["d"]), g)
+    return [q, k, v]
+
+
+def _pad_mask(B, N, device):
+    """Row 0 left-padded by 7, row 1 right-padded by 13 (other rows full)."""
+    mask = torch.ones(B, N, dtype=torch.bool, device=device)
+    mask[0, :7] = False
+    mask[1 % B, N - 13:] = False
+    return mask
+
+
+def _cases(s: dict, dev: torch.device):
+    """name -> (inputs (float64 CPU), call(op, q, k, v, W) -> result). W is the projection in
+    the dtype the caller chose (float32 for the fast path, float64 for the reference)."""
+    g = torch.Generator().manual_seed(0)
+    B, N = s["B"], s["N"]
+    offs = torch.tensor([0, 1000] + [5] * (B - 2), device=dev)
+    docs = torch.tensor([0, N // 3, N // 3 + 1, N], dtype=torch.int32, device=dev)  # a 1-token document too
+    split = N // 3 + 5
+    cases = {
+        "features_first (per-row offsets)": (
+            _case_inputs(s, g, features=True),
+            lambda op, q, k, v, W: op(q, k, v, offset=offs)),
+        "projection (FAVOR+ inside)": (
+            _case_inputs(s, g),
+            lambda op, q, k, v, W: op(q, k, v, projection=W, offset=1000)),
+        "bidirectional": (
+            _case_inputs(s, g),
+            lambda op, q, k, v, W: op(q, k, v, projection=W, causal=False)),
+        "mask (left + right padding)": (
+            _case_inputs(s, g),
+            lambda op, q, k, v, W: op(q, k, v, projection=W, mask=_pad_mask(B, N, dev))),
+        "cu_seqlens + final state": (
+            [t[:1] for t in _case_inputs(s, g)],
+            lambda op, q, k, v, W: op(q, k, v, projection=W, cu_seqlens=docs, output_final_state=True)),
+        "key_mask (cross-attention)": (
+            _case_inputs(s, g)[:1] + _case_inputs(s, g, M=N + 37)[1:],
+            lambda op, q, k, v, W: op(q, k, v, projection=W, causal=False, rotary=False,
+                                      mask=_pad_mask(B, N, dev), key_mask=_pad_mask(B, N + 37, dev))),
+        "small blocks (chunk 16, block 48, mask)": (
+            _case_inputs(s, g),
+            lambda op, q, k, v, W: op(q, k, v, projection=W, mask=_pad_mask(B, N, dev),
+                                      **({} if op is naive_rotary_linear_attention else dict(chunk_size=16, block_size=48)))),
+    }
+    # A state on the scale real ones have: that of a 50-token prefix (features are far below 1,
+    # so a random state would swamp them and push the fp16 gradients of k, v below fp16's range).
+    prefix = [t[:, :, :50].to(dev) for t in _case_inputs(s, g)]
+
+    def with_state(op, q, k, v, W):
+        _, st = naive_rotary_linear_attention(*prefix, projection=W.double(), output_final_state=True)
+        return op(q, k, v, projection=W, offset=offs + 50, initial_state=st, output_final_state=True)
+
+    def chained(op, q, k, v, W):
+        if op is naive_rotary_linear_attention:  # the reference: one call over the whole sequence
+            return op(q, k, v, projection=W, output_final_state=True)
+        o1, st = op(q[:, :, :split], k[:, :, :split], v[:, :, :split], projection=W, output_final_state=True)
+        o2, st = op(q[:, :, split:], k[:, :, split:], v[:, :, split:], projection=W, offset=split,
+                    initial_state=st, output_final_state=True)
+        return torch.cat((o1, o2), dim=2), st
+
+    cases["initial_state + output_final_state"] = (_case_inputs(s, g), with_state)
+    cases[f"state chaining (split at {split})"] = (_case_inputs(s, g), chained)
+    return cases
+
+
+def _run(op, call, xs, W, ups=None):
+    """(out, state tensors, grads of xs) of one case; ``ups`` None: fresh random upstream grads."""
+    out, st = _outputs(call(op, *xs, W))
+    if ups is None:
+        g = torch.Generator().manual_seed(1)
+        ups = [_rand(t.shape, g).to(t.device, t.dtype) for t in (out, *st)]
+    grads = torch.autograd.grad([out, *st], xs, [u.to(t.dtype) for u, t in zip(ups, (out, *st))])
+    return out, st, grads, ups
+
+
+def _check_case(name, inputs, call, dtype, ctx: Ctx, W32) -> dict:
+    tol = tolerance(dtype)
+    rec = {"check": name, "dtype": str(dtype)[6:], "rtol": tol["rtol"], "atol": tol["atol"],
+           "grad_atol": tol["grad_atol"], "why": tol["why"]}
+    xs = [t.to(ctx.device, dtype).requires_grad_() for t in inputs]
+    refs = [t.detach().double().requires_grad_() for t in xs]  # the same rounded values
+    out, st, grads, ups = _run(rotary_linear_attention, call, xs, W32.double() if dtype == torch.float64 else W32)
+    rout, rst, rgrads, _ = _run(naive_rotary_linear_attention, call, refs, W32.double(), ups)
+    names = ["out", *("S", "z")[:len(st)], "dq", "dk", "dv"]
+    fast, ref = [out, *st, *grads], [rout, *rst, *rgrads]
+    errs = {n: _err(a, b, tol, grad=n.startswith("d")) for n, a, b in zip(names, fast, ref)}
+    if dtype != torch.float64:  # what a plain float32 computation, rounded once, achieves: for comparison
+        b32 = [t.detach().float().requires_grad_() for t in xs]
+        bout, bst, bgrads, _ = _run(naive_rotary_linear_attention, call, b32, W32.float(), ups)
+        for n, a, b in zip(names, [bout, *bst, *bgrads], ref):
+            errs[n]["naive_fp32_max_rel_to_max"] = _err(a.to(dtype) if n in ("out", "dq", "dk", "dv") else a, b,
+                                                        tol)["max_rel_to_max"]
+    worst = max(e["worst_over_tol"] for e in errs.values())
+    rec.update(errors=errs, worst_over_tol=worst, max_rel_to_max=max(e["max_rel_to_max"] for e in errs.values()),
+               naive_fp32_max_rel_to_max=max((e.get("naive_fp32_max_rel_to_max", 0.0) for e in errs.values())),
+               passed=bool(worst <= 1.0))
+    return rec
+
+
+def _layer_context(ctx: Ctx, s: dict) -> dict:
+    """The layer's ``context=`` / ``context_mask=`` against the naive op on the layer's own
+    projections, float64."""
+    tol = tolerance(torch.float64)
+    torch.manual_seed(0)
+    H, d = s["H"], s["d"]
+    layer = RotaryLinearAttention(H * d, heads=H, dim_head=d, nb_features=s["m"], causal=False, position="none")
+    layer = layer.to(ctx.device, torch.float64)
+    g = torch.Generator().manual_seed(2)
+    B, N, M = s["B"], s["N"], s["N"] + 37
+    x, c = _rand((B, N, H * d), g).to(ctx.device), _rand((B, M, H * d), g).to(ctx.device)
+    qm, cm = _pad_mask(B, N, ctx.device), _pad_mask(B, M, ctx.device)
+    out = layer(x, context=c, context_mask=cm, mask=qm)
+    w = layer.to_qkv.weight
+    heads = lambda t: t.view(B, t.shape[1], H, d).transpose(1, 2)  # noqa: E731
+    q, k, v = heads(x @ w[:H * d].t()), heads(c @ w[H * d:2 * H * d].t()), heads(c @ w[2 * H * d:].t())
+    ref = naive_rotary_linear_attention(q, k, v, causal=False, rotary=False, projection=layer.features.projection,
+                                        mask=qm, key_mask=cm)
+    ref = layer.to_out(ref.transpose(1, 2).reshape(B, N, H * d))
+    e = _err(out, ref, tol)
+    return {"check": "layer context= / context_mask=", "dtype": "float64", "rtol": tol["rtol"], "atol": tol["atol"],
+            "why": tol["why"], "errors": {"out": e}, "worst_over_tol": e["worst_over_tol"],
+            "max_rel_to_max": e["max_rel_to_max"], "passed": bool(e["worst_over_tol"] <= 1.0)}
+
+
+def _causality_op(ctx: Ctx, s: dict, dtype) -> dict:
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (t.to(ctx.device, dtype) for t in _case_inputs(s, g))
+    W = FavorFeatures(s["d"], s["m"]).projection.to(ctx.device)
+    t0 = s["N"] // 2 + 3  # inside a chunk
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, :, t0:] = 3 * _rand(t[:, :, t0:].shape, g).to(t)
+    with torch.no_grad():
+        a = rotary_linear_attention(q, k, v, projection=W)
+        b = rotary_linear_attention(q2, k2, v2, projection=W)
+    diff = float((a[:, :, :t0].double() - b[:, :, :t0].double()).abs().max())
+    moved = float((a[:, :, t0:].double() - b[:, :, t0:].double()).abs().max())
+    return {"check": f"strict causality: op, change from t={t0}", "dtype": str(dtype)[6:], "max_abs_before_t0": diff,
+            "max_abs_from_t0": moved, "passed": diff == 0.0 and moved > 0}
+
+
+def _causality_lm(ctx: Ctx, s: dict, dtype) -> dict:
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset("tiny").to(ctx.device)
+    N = s["N"]
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (2, N), generator=g).to(ctx.device)
+    t0 = N // 2 + 3
+    ids2 = ids.clone()
+    ids2[:, t0:] = torch.randint(0, 256, (2, N - t0), generator=g).to(ctx.device)
+    with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype):
+        a, b = model(ids), model(ids2)
+    diff = float((a[:, :t0].double() - b[:, :t0].double()).abs().max())
+    moved = float((a[:, t0:].double() - b[:, t0:].double()).abs().max())
+    return {"check": f"strict causality: tiny LM logits, change from t={t0} ({str(dtype)[6:]} autocast)",
+            "dtype": str(dtype)[6:], "max_abs_before_t0": diff, "max_abs_from_t0": moved,
+            "passed": diff == 0.0 and moved > 0}
+
+
+def _step_op(ctx: Ctx, s: dict, dtype) -> dict:
+    tol = tolerance(dtype)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (t.to(ctx.device, dtype) for t in _case_inputs(s, g))
+    W = FavorFeatures(s["d"], s["m"]).projection.to(ctx.device, torch.promote_types(dtype, torch.float32))
+    offs = torch.tensor([0, 1000] + [5] * (s["B"] - 2), device=ctx.device)
+    with torch.no_grad():
+        full, (S, z) = rotary_linear_attention(q, k, v, projection=W, offset=offs, output_final_state=True)
+        state, outs = None, []
+        for t in range(s["N"]):
+            o, state = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, offs + t, projection=W)
+            outs.append(o)
+    errs = {"out": _err(torch.stack(outs, 2), full, tol), "S": _err(state.S, S, tol), "z": _err(state.z, z, tol)}
+    worst = max(e["worst_over_tol"] for e in errs.values())
+    return {"check": "step = forward: op, per-row positions", "dtype": str(dtype)[6:], "rtol": tol["rtol"],
+            "atol": tol["atol"], "errors": errs, "worst_over_tol": worst,
+            "max_rel_to_max": max(e["max_rel_to_max"] for e in errs.values()), "passed": bool(worst <= 1.0)}
+
+
+def _step_lm(ctx: Ctx, s: dict, dtype) -> dict:
+    tol = tolerance(dtype)
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset("tiny").to(ctx.device, dtype).eval()
+    g = torch.Generator().manual_seed(6)
+    N, p = s["N"], s["N"] // 3
+    ids = torch.randint(0, 256, (2, N), generator=g).to(ctx.device)
+    with torch.no_grad():
+        full = model(ids)
+        logits, states = model(ids[:, :p], output_final_state=True)
+        outs = [logits]
+        for t in range(p, N):
+            lt, states = model.step(ids[:, t], states, t)
+            outs.append(lt[:, None])
+    e = _err(torch.cat(outs, 1), full, tol)
+    return {"check": f"step = forward: tiny LM, prefill {p} then steps", "dtype": str(dtype)[6:], "rtol": tol["rtol"],
+            "atol": tol["atol"], "errors": {"logits": e}, "worst_over_tol": e["worst_over_tol"],
+            "max_rel_to_max": e["max_rel_to_max"], "passed": bool(e["worst_over_tol"] <= 1.0)}
+
+
+def _train_finite(ctx: Ctx, preset: str, dtype, *, batch: int, seq: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(preset).to(ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
+    g = torch.Generator().manual_seed(7)
+    losses, norms = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (batch, seq + 1), generator=g).to(ctx.device)
+        with torch.autocast(ctx.device.type, dtype=dtype):
+            logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    finite = lambda x: x == x and abs(x) != float("inf")  # noqa: E731
+    applied = sum(map(finite, norms))  # fp16: GradScaler skips a step whose gradients overflowed
+    params_ok = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    ok = all(map(finite, losses)) and params_ok and (applied == steps if dtype != torch.float16 else applied >= 1)
+    return {"check": f"training steps finite: {preset} preset, {batch}x{seq}, {str(dtype)[6:]} autocast"
+                     + (" + GradScaler" if dtype == torch.float16 else ""),
+            "dtype": str(dtype)[6:], "losses": losses, "grad_norms": norms, "steps_applied": applied,
+            "passed": ok}
+
+
+def run(ctx: Ctx) -> dict:
+    """Every check; each records its measured error and pass/fail (or its error)."""
+    s = QUICK if ctx.quick else FULL
+    torch.manual_seed(0)  # the FAVOR+ projections and the models
+    checks = []
+
+    def attempt(name, dtype, fn, *args, **kw):
+        if ctx.left() <= 0:
+            checks.append({"check": name, "dtype": str(dtype)[6:], "passed": False,
+                           "error": "skipped: part budget spent before this check"})
+            return
+        try:
+            checks.append(fn(*args, **kw))
+        except Exception as e:  # recorded, and the check fails: never silently
+            checks.append({"check": name, "dtype": str(dtype)[6:], "passed": False, "error": one_line(e)})
+
+    W32 = FavorFeatures(s["d"], s["m"]).projection.to(ctx.device)
+    cases = _cases(s, ctx.device)
+    for dtype in DTYPES:
+        for name, (inputs, call) in cases.items():
+            attempt(name, dtype, _check_case, name, inputs, call, dtype, ctx, W32)
+    attempt("layer context", torch.float64, _layer_context, ctx, s)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        attempt("causality op", dtype, _causality_op, ctx, s, dtype)
+    attempt("causality LM", torch.bfloat16, _causality_lm, ctx, s, torch.bfloat16)
+    for dtype in (torch.float64, torch.float32):
+        attempt("step op", dtype, _step_op, ctx, s, dtype)
+        attempt("step LM", dtype, _step_lm, ctx, s, dtype)
+    for dtype in (torch.bfloat16, torch.float16):
+        attempt("train tiny", dtype, _train_finite, ctx, "tiny", dtype, batch=4, seq=64, steps=3)
+    if ctx.cuda:
+        attempt("train paper fp16", torch.float16, _train_finite, ctx, "paper", torch.float16, batch=2, seq=1024, steps=4)
+    else:
+        checks.append({"check": "training steps finite: paper preset fp16", "dtype": "float16", "passed": None,
+                       "error": "skipped: needs CUDA (the paper preset is too slow for the CPU quick mode)"})
+    failed = [c["check"] + " / " + c["dtype"] for c in checks if c["passed"] is False]
+    return {"sizes": s, "checks": checks, "passed": sum(c["passed"] is True for c in checks), "failed": failed}

@@ -1,0 +1,196 @@
+"""Parts 3 and 4 of ``benchmarks.gpu``: LM training throughput and batched decoding.
+
+**Training** (part 3): the ``paper`` preset (``tiny`` in CPU quick mode) on byte crops of the
+corpus, AdamW (lr ``LR`` after ``WARMUP`` linear warmup steps, gradients clipped at 1), bf16
+autocast, no feature redraws. First eager, then the same model and optimizer compiled in place
+(``model.compile()``), so one loss curve runs through both phases. The batch starts at
+``--train-batch`` and is halved on out-of-memory. Reported per phase: tokens/s over the timed
+steps (after warmup), model FLOP utilisation against the card's dense bf16 peak, the peak
+memory, and the loss every step::
+
+    model FLOPs per token = 6 x (parameters other than the token embedding)
+                          + depth x ours_flops(seq, heads=H, fwd+bwd) / seq
+
+**Generation** (part 4): the same preset with fresh weights, bf16 autocast, a batch of
+``--gen-batch`` random-byte prompts of C tokens read in one parallel pass
+(``output_final_state=True``), then greedy ``PerformerLM.step`` tokens at positions C, C+1, ...
+Reported: prefill tokens/s and decoding tokens/s (batch x steps / seconds) at each C.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from linear_rope import PerformerLM
+from linear_rope.model import MODEL_PRESETS
+
+from .attention import ours_flops
+from .gpu_common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
+
+LR, WARMUP = 3e-4, 20
+FULL = dict(preset="paper", seq=1024, batch=16, warmup_steps=3, max_steps=400, eager_share=0.3,
+            gen_contexts=(1024, 16384), gen_batch=8, gen_steps=64, corpus_bytes=1 << 26)
+QUICK = dict(preset="tiny", seq=64, batch=4, warmup_steps=1, max_steps=8, eager_share=0.5,
+             gen_contexts=(64, 256), gen_batch=2, gen_steps=4, corpus_bytes=1 << 20)
+
+
+def flops_per_token(model: PerformerLM, seq: int) -> float:
+    c = model.cfg
+    dense = model.num_params() - model.tok_emb.weight.numel()
+    attn = ours_flops(seq, d=c.dim_head, m=c.nb_features, heads=c.heads, backward=True) / seq
+    return 6 * dense + c.depth * attn
+
+
+def _mem_mib(ctx: Ctx):
+    return torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.cuda else NEEDS_CUDA
+
+
+class _Run:
+    """Model, optimizer, data and loss curve, shared by the eager and the compiled phase."""
+
+    def __init__(self, ctx: Ctx, cfg: dict, res: dict):
+        self.ctx, self.cfg, self.res = ctx, cfg, res
+        torch.manual_seed(0)
+        self.model = PerformerLM.from_preset(cfg["preset"], seq_len=cfg["seq"]).to(ctx.device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+        self.corpus, source = load_corpus(ctx.data, cfg["corpus_bytes"])
+        self.gen = torch.Generator().manual_seed(0)
+        self.batch, self.step_no = ctx.train_batch or cfg["batch"], 0
+        self.curve = res.setdefault("loss_curve", [])
+        res.update(preset=cfg["preset"], model=MODEL_PRESETS[cfg["preset"]], seq=cfg["seq"], data=source,
+                   params=self.model.num_params(), optimizer=f"AdamW lr {LR} (linear warmup {WARMUP} steps), "
+                   "betas (0.9, 0.95), weight decay 0.1, clip 1.0", autocast="bfloat16",
+                   flops_per_token=flops_per_token(self.model, cfg["seq"]))
+
+    def step(self, batch=None):
+        x, y = batch or batch_of(self.corpus, self.batch, self.cfg["seq"], self.gen)
+        x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+        for grp in self.opt.param_groups:
+            grp["lr"] = LR * min(1.0, (self.step_no + 1) / WARMUP)
+        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16):
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.step_no += 1
+        return loss.detach()
+
+    def fit_batch(self) -> None:
+        """One step at the current batch, halving it on out-of-memory (CUDA)."""
+        while True:
+            try:
+                self.curve.append([self.step_no, float(self.step()), "eager"])
+                return
+            except Exception as e:
+                if not (self.ctx.cuda and is_oom(e)) or self.batch == 1:
+                    raise
+                self.res.setdefault("notes", []).append(f"batch {self.batch} ran out of memory; halved")
+                self.opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                self.batch //= 2
+
+    def phase(self, name: str, seconds: float, warmup: int) -> dict:
+        """``warmup`` untimed steps, then timed steps for about ``seconds``."""
+        ctx, cfg = self.ctx, self.cfg
+        t0 = time.perf_counter()
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        for _ in range(warmup):
+            self.curve.append([self.step_no, float(self.step()), name])
+        warm_s = time.perf_counter() - t0
+        ctx.sync()
+        t1, losses, steps = time.perf_counter(), [], 0
+        while steps < cfg["max_steps"] and (steps < 2 or time.perf_counter() - t1 < seconds - warm_s):
+            losses.append((self.step_no, self.step()))
+            steps += 1
+            if steps % 10 == 0:
+                float(losses[-1][1])  # a sync now and then, so the clock sees the GPU's progress
+        ctx.sync()
+        dt = time.perf_counter() - t1
+        self.curve += [[s, float(l), name] for s, l in losses]
+        tps = steps * self.batch * cfg["seq"] / dt
+        peak = ctx.peak_tflops()
+        mfu = self.res["flops_per_token"] * tps / (peak * 1e12) if peak else None
+        return {"batch": self.batch, "tokens_per_step": self.batch * cfg["seq"], "warmup_steps": warmup,
+                "warmup_s": warm_s, "timed_steps": steps, "timed_s": dt, "tokens_per_s": tps,
+                "ms_per_step": 1e3 * dt / steps, "mfu": mfu if peak else f"{NEEDS_CUDA} (no bf16 peak for the CPU)",
+                "peak_memory_mib": _mem_mib(ctx), "last_loss": self.curve[-1][1]}
+
+
+def run_training(ctx: Ctx, res: dict) -> None:
+    """Eager for ``eager_share`` of the part's budget, then compiled for the rest."""
+    cfg = QUICK if ctx.quick else FULL
+    run = _Run(ctx, cfg, res)
+    res["batch_note"] = "batch x seq tokens per step; the paper's batch is 128 (gradient accumulation not used here)"
+    run.fit_batch()
+    res["eager"] = run.phase("eager", ctx.left() * cfg["eager_share"], cfg["warmup_steps"])
+    print(f"[training] eager: {res['eager']['tokens_per_s']:.0f} tokens/s, batch {run.batch}", flush=True)
+    ctx.save()
+    if not ctx.compile:
+        res["compiled"] = (f"{NEEDS_CUDA} (torch.compile is timed on CUDA only: a CPU compile of even the "
+                           "tiny model takes minutes here; --compile on forces it)" if not ctx.cuda else
+                           "skipped: --compile off")
+        return
+    fixed = batch_of(run.corpus, run.batch, cfg["seq"], torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        eager_logits = run.model(fixed[0].to(ctx.device)).float()
+    res["compiled"] = "error: did not finish compiling within the part's budget"
+    t0 = time.perf_counter()
+    run.model.compile()
+    first = float(run.step(fixed))  # compiles forward and backward
+    compile_s = time.perf_counter() - t0
+    run.curve.append([run.step_no - 1, first, "compiled (first step, compiling)"])
+    eager_loss = float(F.cross_entropy(eager_logits.reshape(-1, eager_logits.shape[-1]),
+                                       fixed[1].to(ctx.device).reshape(-1)))
+    out = run.phase("compiled", ctx.left() - 5, cfg["warmup_steps"])
+    out.update(compile_s=compile_s, first_step_loss_compiled=first, same_batch_loss_eager=eager_loss,
+               loss_diff=abs(first - eager_loss))
+    res["compiled"] = out
+    res["compiled_speedup"] = out["tokens_per_s"] / res["eager"]["tokens_per_s"]
+
+
+def run_generation(ctx: Ctx, res: dict) -> None:
+    cfg = QUICK if ctx.quick else FULL
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(cfg["preset"]).to(ctx.device).eval()
+    B, T = ctx.gen_batch or cfg["gen_batch"], cfg["gen_steps"]
+    res.update(preset=cfg["preset"], batch=B, steps=T, autocast="bfloat16", decoding="greedy, PerformerLM.step",
+               rows=[])
+    g = torch.Generator().manual_seed(0)
+    for C in cfg["gen_contexts"]:
+        row = {"context": C}
+        res["rows"].append(row)
+        if ctx.left() < 2:
+            row["status"] = f"skipped: part budget spent ({ctx.left():.0f} s left)"
+            continue
+        try:
+            ids = torch.randint(0, 256, (B, C), generator=g).to(ctx.device)
+            if ctx.cuda:
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+            with torch.no_grad(), torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+                model(ids[:, :64], output_final_state=True)  # warm the kernels
+                ctx.sync()
+                t0 = time.perf_counter()
+                logits, states = model(ids, output_final_state=True)
+                tok = logits[:, -1].argmax(-1)
+                ctx.sync()
+                prefill = time.perf_counter() - t0
+                for i in range(2):  # warmup steps
+                    logits, states = model.step(tok, states, C + i)
+                ctx.sync()
+                t0 = time.perf_counter()
+                for i in range(T):
+                    logits, states = model.step(tok, states, C + 2 + i)
+                    tok = logits.argmax(-1)
+                ctx.sync()
+                dt = time.perf_counter() - t0
+            row.update(status="ok", prefill_s=prefill, prefill_tokens_per_s=B * C / prefill, decode_s=dt,
+                       decode_tokens_per_s=B * T / dt, ms_per_step=1e3 * dt / T, peak_memory_mib=_mem_mib(ctx))
+        except Exception as e:
+            row["status"] = f"error: {'out of memory' if is_oom(e) else one_line(e)}"
+            if ctx.cuda:
+                torch.cuda.empty_cache()
