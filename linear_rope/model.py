@@ -194,8 +194,11 @@ class PerformerLM(nn.Module):
         """One token `[B]` at ``position`` (an int, or a LongTensor `[B]` per row) -> (logits
         `[B, vocab]`, new states); O(1) in the context."""
         position = check_offset(position, "position", rows=token.shape[0])
-        pos = position.view(-1, 1) if isinstance(position, torch.Tensor) else torch.full((1, 1), position)
-        x = self._embed(token.long()[:, None], pos.to(token.device))[:, 0]
+        pos = None
+        if self.pos_emb is not None:  # only the absolute table reads positions here
+            pos = position.view(-1, 1) if isinstance(position, torch.Tensor) else torch.full((1, 1), position)
+            pos = pos.to(token.device)
+        x = self._embed(token.long()[:, None], pos)[:, 0]
         new = []
         for block, state in zip(self.blocks, states):
             x, state = block.step(x, state, position)
