@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from linear_rope import train
+from linear_rope.enwik8 import train
 from linear_rope.model import ModelConfig
-from linear_rope.train import TrainConfig
+from linear_rope.enwik8.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "linear_rope.train"]
