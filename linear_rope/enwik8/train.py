@@ -105,6 +105,7 @@ def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
                 if resume:
                     trainer.resume()
                 results.append((name, trainer.fit()))
+                del trainer  # its model and optimizer go before the next run's are built
                 if results[-1][1]["stopped"]:
                     break
     except (data.DataError, ConfigError) as e:

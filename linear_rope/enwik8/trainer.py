@@ -334,6 +334,8 @@ class Trainer:
                       run_name=".")
 
     def _close(self) -> None:
+        # drop DDP's reducer now: freed after destroy_process_group, gloo's destructor can hang
+        self.net = self.model
         if self.progress is not None:
             self.progress.close()
         if self.writer is not None:
