@@ -55,6 +55,16 @@ def _train_seconds(run_dir: Path, steps: int) -> float:
     return times[steps] - times[2]
 
 
+def _cpu_busy_s() -> float:
+    """CPU-seconds every process on the machine has used (from /proc/stat), or 0 without it."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool) -> dict:
     """One training process, beside a busy loop or not: its times and the threads it chose."""
     out = tmp / "runs" / tag
@@ -63,6 +73,7 @@ def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool) ->
            "--data", str(tmp / "corpus.txt"), "--data-dir", str(tmp / "data"), "--out", str(out)]
     cmd += ["--threads", str(threads)] if threads else []
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    busy0, kids0 = _cpu_busy_s(), os.times()
     neighbour = subprocess.Popen(BUSY) if busy else None
     try:
         if busy:
@@ -74,12 +85,16 @@ def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool) ->
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
+    kids1, busy1 = os.times(), _cpu_busy_s()
+    span = kids1.elapsed - kids0.elapsed
+    ours = (kids1.children_user + kids1.children_system) - (kids0.children_user + kids0.children_system)
+    others = max(0.0, (busy1 - busy0 - ours) / span)  # cores the machine's other users kept busy
     if proc.returncode:
         raise RuntimeError(f"{tag}: exit {proc.returncode}: {proc.stderr[-1000:]}")
     header = next(ln for ln in proc.stderr.splitlines() if "params, steps" in ln)
     chose = header.split("threads ", 1)[1].split(" ", 1)[0] if "threads " in header else "?"
     return {"train_s": _train_seconds(out / "rope-seed0", cfg["steps"]), "process_s": wall,
-            "threads": int(chose) if chose.isdigit() else 0, "header": header}
+            "threads": int(chose) if chose.isdigit() else 0, "others_cores": others, "header": header}
 
 
 def main(quick: bool = False, out_dir=None) -> dict:
@@ -99,7 +114,8 @@ def main(quick: bool = False, out_dir=None) -> dict:
                                f"-{modes[mode] or 0}-{int(busy)}", modes[mode], busy)
                 runs[mode]["busy" if busy else "alone"].append(res)
                 print(f"round {r} {mode:<28} {'busy' if busy else 'alone'}: train {res['train_s']:.1f} s, "
-                      f"process {res['process_s']:.1f} s, threads {res['threads']}", flush=True)
+                      f"process {res['process_s']:.1f} s, threads {res['threads']}, other users "
+                      f"{res['others_cores']:.2f} cores", flush=True)
     med = {m: {c: {k: statistics.median(x[k] for x in v[c]) for k in ("train_s", "process_s")}
                for c in v} for m, v in runs.items()}
     ratio = {m: med[m]["busy"]["train_s"] / med[m]["alone"]["train_s"] for m in modes}
@@ -119,7 +135,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
         "ratio_process": ratio_process,
         "default_busy_over_best_alone": vs_best,
         "threads_chosen": threads,
-        "runs": {m: {c: [{k: x[k] for k in ("train_s", "process_s", "threads")} for x in v[c]]
+        "runs": {m: {c: [{k: x[k] for k in ("train_s", "process_s", "threads", "others_cores")} for x in v[c]]
                      for c in v} for m, v in runs.items()},
         "wall_s": time.perf_counter() - t0,
         "table": {"headers": ["threads", f"alone s ({cfg['steps'] - 2} steps)", "beside busy loop s",
@@ -130,7 +146,10 @@ def main(quick: bool = False, out_dir=None) -> dict:
                     {"name": "default beside one busy loop / the fastest configuration alone", "value": vs_best,
                      "op": "<=", "threshold": TARGET, "pass": bool(vs_best <= TARGET)}],
         "notes": [f"{cfg['rounds']} rounds, medians; the machine's other users were not stopped, so "
-                  f"'alone' means without the extra busy loop."],
+                  f"'alone' means without the extra busy loop. Cores kept busy by other users during "
+                  f"the runs (from /proc/stat, less this benchmark's own processes): median "
+                  f"{statistics.median(x['others_cores'] for v in runs.values() for c in v.values() for x in c):.2f}, "
+                  f"max {max(x['others_cores'] for v in runs.values() for c in v.values() for x in c):.2f}."],
     }
     out = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ figure is drawn from the CSV / JSON written beside it.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 import statistics
@@ -26,6 +27,7 @@ import torch
 from ..enwik8 import data
 from ..enwik8.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from ..enwik8.cli import OneLineParser
+from ..enwik8.files import atomic_write
 from ..enwik8.sample import load_model
 from . import analysis
 
@@ -78,11 +80,11 @@ def _save(fig, path: Path, legend_axes=()) -> None:
 
 
 def write_csv(path: Path, header: list[str], rows) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(header)
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue())
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -237,9 +239,7 @@ def summary(runs: Path, out: Path) -> dict:
     for name, (variant, seed) in find_runs(runs).items():
         variants[variant][seed] = curves[name]
 
-    def col(rows, tag):
-        return [(int(r["step"]), float(r[tag])) for r in rows if r[tag]]
-
+    col = _col
     result = {"variants": {}}
     none_final = None
     if "none" in variants:
@@ -274,8 +274,19 @@ def summary(runs: Path, out: Path) -> dict:
         result["attention_row_sums"] = {v: {"min": min(x), "max": max(x),
                                             "mean_abs_dev_from_1": statistics.mean(abs(a - 1) for a in x)}
                                         for v, x in rs.items()}
-    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
+    _curves_figure(variants, out / "val_bpc.png")
+    print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
+    return result
 
+
+def _col(rows, tag):
+    return [(int(r["step"]), float(r[tag])) for r in rows if r[tag]]
+
+
+def _curves_figure(variants: dict, path: Path) -> None:
+    """Val BPC (left) and smoothed train BPC (right), mean +- std over seeds, per variant."""
+    col = _col
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for variant, seeds in sorted(variants.items()):
@@ -293,9 +304,7 @@ def summary(runs: Path, out: Path) -> dict:
     axes[0].set(xlabel="step", ylabel="val BPC (whole split)", title="Validation BPC, mean ± std")
     axes[1].set(xlabel="step", ylabel="train BPC (EMA 0.9)", title="Training BPC, mean ± std",
                 ylim=(None, 5))
-    _save(fig, out / "val_bpc.png", axes)
-    print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
-    return result
+    _save(fig, path, axes)
 
 
 def tables(out: Path) -> str:
