@@ -3,11 +3,12 @@
     python -m benchmarks.busy_neighbour [--quick]
 
 Each round runs ``python -m linear_rope.train --preset cpu --variants rope --steps 20`` (on 64 KB
-of the shared sample, so its evaluations are negligible) four times: with the app's default
-threads alone, the same beside one process running ``while True: pass``, then the same pair
-with ``--threads <cores>`` (torch's own default, one thread per core, which the app used
-before). The order within a round rotates, so slow phases of a shared machine fall on every
-configuration alike. A run's time is the wall time between its train/loss events at step 2 and
+of the shared sample, so its evaluations are negligible) alone and beside one process running
+``while True: pass``, in three configurations: the app's default threads (one per core idle at
+start), ``--threads <cores>`` (torch's own default, one thread per core, which the app used
+before), and the same with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at barriers
+instead of spinning: the diagnosis). The order within a round rotates, so slow phases of a
+shared machine fall on every configuration alike. A run's time is the wall time between its train/loss events at step 2 and
 at the last step (from its TensorBoard events: no start-up, no compile, no eval); the process's
 whole wall time is recorded too. The ratio is median(beside the busy loop) / median(alone).
 
@@ -65,14 +66,17 @@ def _cpu_busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool) -> dict:
+def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool,
+             env_extra: dict | None = None) -> dict:
     """One training process, beside a busy loop or not: its times and the threads it chose."""
     out = tmp / "runs" / tag
     cmd = [sys.executable, "-m", "linear_rope.train", "--preset", cfg["preset"], "--variants", "rope",
            "--steps", str(cfg["steps"]), "--eval-every", "0", "--log-every", "1",
            "--data", str(tmp / "corpus.txt"), "--data-dir", str(tmp / "data"), "--out", str(out)]
     cmd += ["--threads", str(threads)] if threads else []
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env.update(env_extra or {})
     busy0, kids0 = _cpu_busy_s(), os.times()
     neighbour = subprocess.Popen(BUSY) if busy else None
     try:
@@ -100,7 +104,8 @@ def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool) ->
 def main(quick: bool = False, out_dir=None) -> dict:
     cfg = QUICK if quick else FULL
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    modes = {"default": None, f"--threads {cores} (torch default)": cores}
+    modes = {"default": (None, {}), f"--threads {cores} (torch default)": (cores, {}),
+             f"--threads {cores}, OMP_WAIT_POLICY=PASSIVE": (cores, {"OMP_WAIT_POLICY": "PASSIVE"})}
     runs: dict[str, dict[str, list[dict]]] = {m: {"alone": [], "busy": []} for m in modes}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -110,10 +115,11 @@ def main(quick: bool = False, out_dir=None) -> dict:
         for r in range(cfg["rounds"]):
             for i in range(len(order)):  # rotate the order each round
                 mode, busy = order[(i + r) % len(order)]
-                res = run_once(cfg, tmp, f"r{r}-{len(runs[mode]['alone'])}{len(runs[mode]['busy'])}"
-                               f"-{modes[mode] or 0}-{int(busy)}", modes[mode], busy)
+                threads, env_extra = modes[mode]
+                res = run_once(cfg, tmp, f"r{r}-{list(modes).index(mode)}-{int(busy)}", threads, busy,
+                               env_extra)
                 runs[mode]["busy" if busy else "alone"].append(res)
-                print(f"round {r} {mode:<28} {'busy' if busy else 'alone'}: train {res['train_s']:.1f} s, "
+                print(f"round {r} {mode:<38} {'busy' if busy else 'alone'}: train {res['train_s']:.1f} s, "
                       f"process {res['process_s']:.1f} s, threads {res['threads']}, other users "
                       f"{res['others_cores']:.2f} cores", flush=True)
     med = {m: {c: {k: statistics.median(x[k] for x in v[c]) for k in ("train_s", "process_s")}
