@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import attention, generation, leak, lm_training, memory
+from . import attention, busy_neighbour, generation, leak, lm_training, memory
 from .common import (
     REPO_ROOT, RESULTS_DIR, fmt, format_table, gemm_n, machine_info, machine_peak, ours_path, setup, target_line,
     write_json,
 )
 
-BENCHMARKS = {m.NAME: m for m in (attention, memory, generation, lm_training, leak)}
+BENCHMARKS = {m.NAME: m for m in (attention, memory, generation, lm_training, leak, busy_neighbour)}
 
 
 def render(results: dict[str, dict], machine: dict, command: str, wall_s: float, peak: float) -> str:

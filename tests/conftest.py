@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import bz2
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import SAMPLE
+
+# In-process training runs keep the test process's threads (no idle-core probe at every start;
+# runtime.choose_threads is tested on its own). Subprocesses get the same from helpers.ENV.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module")

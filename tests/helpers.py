@@ -12,7 +12,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from linear_rope import train
+from linear_rope.enwik8 import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = [sys.executable, str(ROOT / "train_enwik8.py")]

@@ -1,4 +1,4 @@
-"""linear_rope.analysis and linear_rope.plots: the numbers behind the results and their files."""
+"""linear_rope.results: analysis and plots: the numbers behind the results and their files."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from helpers import run_main
-from linear_rope import analysis, data, plots, train
-from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
 from linear_rope import apply_rotary, rotary_linear_attention
+from linear_rope.enwik8 import data, trainer
+from linear_rope.results import analysis, plots
+from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,7 +62,7 @@ def test_bpc_at_lengths_agrees_with_training_eval_and_refuses_past_the_absolute_
     for position in ("rope", "absolute"):
         model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": position}))
         got = analysis.bpc_at_lengths(model, split, [32, 64, 256], tokens_per_batch=512)
-        assert got[32] == pytest.approx(train.evaluate(model, split, 32, 16), rel=1e-6)
+        assert got[32] == pytest.approx(trainer.evaluate(model, split, 32, 16), rel=1e-6)
         assert (got[64] is None) == (position == "absolute")
         if position == "rope":
             assert 7 < got[256] < 9  # ~8 bits for an untrained byte model

@@ -8,10 +8,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
-from linear_rope import train
+from linear_rope.enwik8 import train
+from linear_rope.enwik8.cli import build_parser, parse_runs
 from linear_rope.model import ModelConfig
-from linear_rope.train import TrainConfig
+from linear_rope.enwik8.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "linear_rope.train"]
@@ -100,3 +102,67 @@ def test_argparse_type_errors_in_process(capsys, argv, text):
         train.main(argv)
     assert exc.value.code == 2
     assert text in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ flags checked before data
+
+EARLY = [  # (argv, text in the one error line)
+    (["--lr", "-1e-3"], "lr must be > 0, got -0.001"),  # a negative value, not a missing one
+    (["--warmup-steps", "-2"], "warmup_steps must be >= 0"),
+    (["--feature-map", "elu"], "elementwise"),  # FAVOR+'s nb_features with elu+1
+    (["--feature-map", "relu", "--variants", "none,rope"], "elementwise"),
+    (["--device", "tpu"], "unknown --device 'tpu'"),
+    (["--precision", "fp8"], "precision must be one of"),
+    (["--dim", "None"], "invalid int value: 'None'"),  # None only where a field is optional
+]
+if not torch.cuda.is_available():
+    EARLY.append((["--device", "cuda"], "CUDA is not available"))
+    EARLY.append((["--device", "cuda:1"], "CUDA is not available"))
+
+
+@pytest.mark.parametrize("argv, text", EARLY, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_flags_fail_before_data_and_leave_no_file(tmp_path, capsys, argv, text):
+    """--data names a file that does not exist: the flag's error must come first; and the new
+    --out (no TensorBoard events file, no config.json) and --data-dir are never created."""
+    out, data_dir = tmp_path / "runs", tmp_path / "data"
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv + ["--preset", "tiny", "--data", str(tmp_path / "missing.txt"),
+                           "--data-dir", str(data_dir), "--out", str(out)])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and text in lines[0], lines
+    assert "data file not found" not in lines[0]
+    assert not out.exists() and not data_dir.exists()
+
+
+def test_device_cuda_without_cuda_is_one_line_as_a_process(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run(TRAIN + ["--device", "cuda", "--lr", "-1e-3", "--out", str(tmp_path / "r")],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("argv, field, want", [
+    (["--nb-features", "None"], "nb_features", None),  # not dropped: the preset says 16
+    (["--nb-features", "none", "--feature-map", "elu"], "nb_features", None),
+    (["--decay-steps", "None"], "decay_steps", None),
+    (["--lr", "2e-3"], "lr", 2e-3),
+    (["--lr=-0"], None, None),  # "lr must be > 0": checked below, not here
+])
+def test_values_reach_the_configs(argv, field, want):
+    if field is None:
+        with pytest.raises(ValueError, match="lr must be > 0"):
+            parse_runs(build_parser(), argv + ["--preset", "tiny"])
+        return
+    _, runs = parse_runs(build_parser(), argv + ["--preset", "tiny"])
+    for _, mc, tc in runs:
+        assert getattr(mc if hasattr(mc, field) else tc, field) == want
+
+
+def test_flags_not_given_keep_the_preset():
+    _, runs = parse_runs(build_parser(), ["--preset", "tiny", "--no-compile"])
+    (_, mc, tc), _ = runs
+    assert mc.nb_features == 16 and tc.steps == 20 and tc.compile is False and tc.out == "runs/tiny"

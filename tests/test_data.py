@@ -1,4 +1,4 @@
-"""Tests for linear_rope.data: reading, download, verification, splits, batches, eval windows.
+"""Tests for linear_rope.enwik8.data: reading, download, verification, splits, batches, eval windows.
 
 Network access is confined to a throwaway HTTP server on 127.0.0.1; every file goes under
 pytest's ``tmp_path``.
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from linear_rope import data
-from linear_rope.data import DataError
+from linear_rope.enwik8 import data
+from linear_rope.enwik8.data import DataError
 
 SAMPLE = Path(__file__).resolve().parents[1].parent / "shared/data/enwiki-sample.xml.bz2"
 SAMPLE_SIZE = 6_089_746

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from linear_rope import data, train
-from linear_rope.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from linear_rope.sample import load_model
+from linear_rope.enwik8 import data, trainer
+from linear_rope.enwik8.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from linear_rope.enwik8.sample import load_model
 from helpers import ENV, ROOT, losses, run_main, wait_for
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -119,7 +119,7 @@ def test_distributed_bpc_sums_over_ranks(two_ranks):
     ckpt = load_checkpoint(latest_checkpoint(run_dir))
     model = load_model(run_dir)
     paths = data.prepare_corpus(ckpt["config"]["train"]["data"], tmp / "data")
-    bpc = train.evaluate(model, data.load_split(paths["valid"]), model.cfg.seq_len, 64)
+    bpc = trainer.evaluate(model, data.load_split(paths["valid"]), model.cfg.seq_len, 64)
     assert bpc == pytest.approx(ckpt["metrics"]["val_bpc"], rel=1e-6)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ENV, ROOT, run_main
-from linear_rope.checkpoint import latest_checkpoint
+from linear_rope.enwik8.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def test_overwrite_replaces_a_different_experiment(tmp_path, corpus):
     assert run_main(argv + ["--dim", "64"])[0] == 2
     code, _, err = run_main(argv + ["--dim", "64", "--overwrite"])
     assert code == 0, err
-    from linear_rope.checkpoint import load_checkpoint
+    from linear_rope.enwik8.checkpoint import load_checkpoint
     ckpt = load_checkpoint(latest_checkpoint(tmp_path / "runs/rope-seed0"))
     assert ckpt["config"]["model"]["dim"] == 64
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from helpers import ENV, ROOT, SHIM, losses, raw_losses, run_main, wait_for
-from linear_rope import checkpoint, train
-from linear_rope.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from linear_rope.enwik8 import checkpoint, trainer
+from linear_rope.enwik8.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from linear_rope.model import PerformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,7 +168,7 @@ def test_non_finite_stops_at_that_step_and_names_the_last_good_checkpoint(
     run_dir = tmp_path / "runs" / "rope-seed0"
     code, _, err = run_main(common(corpus, tmp_path, 10, "--out", str(tmp_path / "runs"),
                                    "--checkpoint-every", "2"))
-    assert code == train.EXIT_NONFINITE
+    assert code == trainer.EXIT_NONFINITE
     lines = err.strip().splitlines()
     assert "Traceback" not in err and "error:" in lines[-1]
     assert f"non-finite {'loss' if where == 'loss' else 'gradient norm'} at step 5" in lines[-1]

@@ -1,4 +1,4 @@
-"""linear_rope.sample: checkpoint loading, UTF-8 output with replacement, clean CLI errors."""
+"""linear_rope.enwik8.sample: checkpoint loading, UTF-8 output with replacement, clean CLI errors."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -6,7 +6,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from linear_rope import sample
+from linear_rope.enwik8 import sample
 from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
 
 

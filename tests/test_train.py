@@ -1,4 +1,4 @@
-"""End-to-end tests of linear_rope.train: runs, TensorBoard tags, checkpoints, resume, seeding."""
+"""End-to-end tests of linear_rope.enwik8 (train, trainer): runs, TensorBoard tags, checkpoints, resume, seeding."""
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +15,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from linear_rope import data, sample, train
-from linear_rope.checkpoint import latest_checkpoint
+from linear_rope.enwik8 import config, data, sample, train, trainer
+from linear_rope.enwik8.checkpoint import latest_checkpoint
 from linear_rope.model import MODEL_PRESETS, ModelConfig
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared/data/enwiki-sample.xml.bz2"
@@ -103,7 +103,7 @@ def test_checkpoint_loads_weights_only_and_samples(ablation, capsys):
     assert ckpt["rng"]["features"].dtype == torch.uint8
     assert ckpt["rng"]["data"].dtype == torch.uint8
     assert ckpt["config"]["model"] == asdict(ModelConfig(**MODEL_PRESETS["tiny"]))
-    assert ckpt["config"]["train"]["lr"] == train.TRAIN_PRESETS["tiny"]["lr"]
+    assert ckpt["config"]["train"]["lr"] == config.TRAIN_PRESETS["tiny"]["lr"]
     assert json.loads((out / "rope-seed0" / "config.json").read_text()) == ckpt["config"]
     assert not list(path.parent.glob("*.tmp"))
 
@@ -114,7 +114,7 @@ def test_checkpoint_loads_weights_only_and_samples(ablation, capsys):
 
 def test_build_run_shares_init_projections_and_data_across_variants():
     cfg = ModelConfig(**MODEL_PRESETS["tiny"])
-    built = {v: train.build_run(replace(cfg, position=v), seed=3) for v in ("rope", "none", "rope_pre",
+    built = {v: trainer.build_run(replace(cfg, position=v), seed=3) for v in ("rope", "none", "rope_pre",
                                                                              "absolute")}
     ref_model, ref_data, ref_feat = built["rope"]
     ref_state = {k: t.clone() for k, t in ref_model.state_dict().items()}
@@ -131,21 +131,21 @@ def test_build_run_shares_init_projections_and_data_across_variants():
         model.redraw_features(feat_gen)
         for f_ref, f in zip(ref_model.feature_modules, model.feature_modules):
             assert torch.equal(f_ref.projection, f.projection)
-    other, _, _ = train.build_run(cfg, seed=4)
+    other, _, _ = trainer.build_run(cfg, seed=4)
     assert not torch.equal(other.tok_emb.weight, ref_model.tok_emb.weight)
 
 
 def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
-    tc = train.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
-    assert train.lr_at(0, tc) == pytest.approx(0.1)
-    assert train.lr_at(9, tc) == pytest.approx(1.0)
-    assert train.lr_at(10, tc) == pytest.approx(1.0)
-    assert train.lr_at(60, tc) == pytest.approx(0.55)
-    assert train.lr_at(110, tc) == pytest.approx(0.1)
-    lrs = [train.lr_at(s, tc) for s in range(10, 200)]
+    tc = config.TrainConfig(lr=1.0, warmup_steps=10, steps=110)
+    assert config.lr_at(0, tc) == pytest.approx(0.1)
+    assert config.lr_at(9, tc) == pytest.approx(1.0)
+    assert config.lr_at(10, tc) == pytest.approx(1.0)
+    assert config.lr_at(60, tc) == pytest.approx(0.55)
+    assert config.lr_at(110, tc) == pytest.approx(0.1)
+    lrs = [config.lr_at(s, tc) for s in range(10, 200)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:])) and min(lrs) == pytest.approx(0.1)
     fixed = replace(tc, decay_steps=50)
-    assert train.lr_at(50, fixed) == train.lr_at(500, fixed) == pytest.approx(0.1)
+    assert config.lr_at(50, fixed) == config.lr_at(500, fixed) == pytest.approx(0.1)
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, small_corpus, capsys):

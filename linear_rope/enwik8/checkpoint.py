@@ -1,10 +1,10 @@
-"""Crash-safe checkpoints: atomic writes, retention of the last N, safe loading.
+"""Crash-safe checkpoints: atomic writes, retention of the last N, safe loading, run-dir guard.
 
-A run directory holds ``ckpt-<step, 8 digits>.pt`` files. Each is written to a hidden temporary
-file in the same directory, flushed and fsynced, then ``os.replace``-d into place and the
-directory fsynced, so a crash (even ``kill -9`` or a power cut after the rename) leaves either
-the previous set of checkpoints or the new one, never a partial file under a checkpoint name.
-Older checkpoints are deleted only after the new one is in place. A checkpoint is a plain dict of
+A checkpoint is ``TrainState.state_dict()`` (``linear_rope.enwik8.trainer``). A run directory
+holds ``ckpt-<step, 8 digits>.pt`` files, each written with ``files.atomic_write`` (temporary
+file, fsync, rename, directory fsync), so a crash (even ``kill -9`` or a power cut after the
+rename) leaves either the previous set of checkpoints or the new one, never a partial file under
+a checkpoint name. Older checkpoints are deleted only after the new one is in place. A checkpoint is a plain dict of
 tensors, numbers, strings, lists and dicts, and is only ever read with
 ``torch.load(weights_only=True)``: a file that would need to run code to unpickle is refused.
 """
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pickle
 import re
 from pathlib import Path
 
 import torch
+
+from .config import resume_diffs
+from .files import TMP_SUFFIX, atomic_write
 
 __all__ = ["CheckpointError", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
            "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "check_out_dir"]
@@ -25,8 +27,6 @@ __all__ = ["CheckpointError", "checkpoint_path", "list_checkpoints", "latest_che
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 LEGACY = "checkpoint.pt"  # the single checkpoint of linear_rope <= 0.1
 REQUIRED = ("model", "step", "config")
-SHAPE_FIELDS = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len",
-                "ff_mult")
 
 
 class CheckpointError(Exception):
@@ -57,39 +57,17 @@ def latest_checkpoint(run_dir) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(run_dir, step: int, payload: dict, keep: int) -> Path:
     """Write ``payload`` as the step's checkpoint atomically, then keep only the newest ``keep``."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(run_dir, step)
-    tmp = run_dir / f".{final.name}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(run_dir)
+    final = atomic_write(checkpoint_path(run_dir, step), lambda f: torch.save(payload, f))
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
-    for stale in run_dir.glob(".ckpt-*.tmp"):  # left by a writer that was killed
-        if stale != tmp:
-            stale.unlink(missing_ok=True)
+    for stale in run_dir.glob(f".ckpt-*{TMP_SUFFIX}"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
     return final
 
 
@@ -133,13 +111,14 @@ def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
     """Refuse to write over an earlier run; return the run dirs ``--overwrite`` will clear.
 
     ``runs``: ``[(name, ModelConfig, TrainConfig)]``. An existing non-empty run dir needs
-    ``--resume`` (same model shape, else refused) or ``--overwrite``.
+    ``--overwrite``, or ``--resume`` with a config its ``config.json`` allows (``resume_diffs``,
+    checked again against the checkpoint itself when it loads).
     """
     out = Path(runs[0][2].out)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file, not a directory")
     clear = []
-    for name, mc, _ in runs:
+    for name, mc, tc in runs:
         run_dir = out / name
         if not run_dir.is_dir() or not any(run_dir.iterdir()):
             continue
@@ -147,17 +126,14 @@ def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
             clear.append(run_dir)
             continue
         old = None
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            old = json.loads((run_dir / "config.json").read_text())["model"]
-        if old is not None:
-            shape = [f"{k} {old.get(k)!r} vs {getattr(mc, k)!r}" for k in SHAPE_FIELDS
-                     if old.get(k) != getattr(mc, k)]
-            if shape and resume:
-                raise RunDirError(f"cannot resume {run_dir}: its model differs "
-                                  f"({', '.join(shape)})")
-            if shape:
-                raise RunDirError(f"{run_dir} holds a different experiment ({', '.join(shape)}); "
-                                  f"choose another --out, or pass --overwrite to replace it")
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            old = json.loads((run_dir / "config.json").read_text())
+        diffs = resume_diffs(old, mc, tc) if isinstance(old, dict) else []
+        if diffs and resume:
+            raise RunDirError(f"cannot resume {run_dir}: config differs ({'; '.join(diffs)})")
+        if diffs:
+            raise RunDirError(f"{run_dir} holds a different experiment ({'; '.join(diffs)}); "
+                              f"choose another --out, or pass --overwrite to replace it")
         if not resume:
             raise RunDirError(f"{run_dir} holds an earlier run; pass --resume to continue it, "
                               f"--overwrite to replace it, or choose another --out")

@@ -3,15 +3,16 @@ and TensorBoard curves as plain tables. No plotting here (see ``linear_rope.plot
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from . import data
-from .model import PerformerLM
-from .ops import eq19_weights as _eq19_weights_op
-from .rotary import apply_rotary
+from ..enwik8 import data
+from ..enwik8.runtime import Dist
+from ..enwik8.trainer import evaluate
+from ..model import PerformerLM
+from ..ops import eq19_weights as _eq19_weights_op
+from ..rotary import apply_rotary
 
 __all__ = ["rope_decay_bound", "eq19_weights", "bpc_at_lengths", "read_scalars", "wall_seconds",
            "steps_to_reach"]
@@ -67,26 +68,15 @@ def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
     return w, w.sum(-1)
 
 
-@torch.no_grad()
 def bpc_at_lengths(model: PerformerLM, split, lengths: list[int], tokens_per_batch: int = 8192,
                    device: str | torch.device = "cpu") -> dict[int, float | None]:
     """BPC over the whole split with non-overlapping windows of each length (no context carried
-    across windows). ``None`` where the model cannot run that length (the ``absolute`` table)."""
-    out = {}
-    was_training = model.training
-    model.eval()
-    for n in lengths:
-        if model.pos_emb is not None and n > model.cfg.seq_len:
-            out[n] = None
-            continue
-        nats = 0.0
-        for x, y in data.eval_batches(split, n, max(1, tokens_per_batch // n)):
-            logits = model(x.to(device))
-            nats += torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
-        out[n] = nats / data.count_eval_bytes(split) / math.log(2)
-    model.train(was_training)
-    return out
+    across windows; ``trainer.evaluate`` at each length). ``None`` where the model cannot run
+    that length (the ``absolute`` table)."""
+    dd = Dist(device=torch.device(device))
+    return {n: None if model.pos_emb is not None and n > model.cfg.seq_len
+            else evaluate(model, split, n, max(1, tokens_per_batch // n), dd, precision="fp32")
+            for n in lengths}
 
 
 def _events(run_dir):

@@ -10,8 +10,8 @@ random crops with :func:`get_batch` from a dedicated ``torch.Generator``; evalua
 the whole split once with :func:`eval_batches`, so BPC is
 ``summed nats / count_eval_bytes(split) / ln 2``.
 
-Every file is written to a temporary name in the same directory and moved into place with
-``os.replace``, so an interrupted run never leaves a truncated download or split behind.
+Every file is written with :func:`linear_rope.enwik8.files.atomic_write`, so an interrupted run
+never leaves a truncated download or split behind.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import gzip
 import hashlib
 import http.client
 import lzma
-import os
 import re
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 import zipfile
@@ -35,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .files import atomic_write
 
 __all__ = [
     "ENWIK8_URL", "ENWIK8_SIZE", "ENWIK8_MD5", "SPLITS", "DataError",
@@ -123,27 +123,24 @@ def download(url: str, dest, *, md5: str | None = None, size: int | None = None,
     raise :class:`DataError`, ``KeyboardInterrupt`` propagates as is.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp = Path(tmp_name)
-    try:
+
+    def fetch(f) -> None:
         print(f"downloading {url} -> {dest}", file=sys.stderr)
-        with os.fdopen(fd, "wb") as f:
-            got_size, got_md5 = _stream(url, f, timeout)
+        got_size, got_md5 = _stream(url, f, timeout)
         if size is not None and got_size != size:
             raise DataError(f"download of {url} failed: got {got_size} bytes, "
                             f"expected {size} (truncated?)")
         if md5 is not None and got_md5 != md5.lower():
             raise DataError(f"checksum mismatch for {url}: md5 got {got_md5}, expected {md5}")
-        os.replace(tmp, dest)
+
+    try:
+        atomic_write(dest, fetch)
     except urllib.error.HTTPError as e:
         raise DataError(f"download of {url} failed: HTTP {e.code} {e.reason}") from None
     except urllib.error.URLError as e:
         raise DataError(f"download of {url} failed: {e.reason}") from None
     except (OSError, http.client.HTTPException) as e:
         raise DataError(f"download of {url} failed: {type(e).__name__}: {e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)  # a no-op once os.replace has moved it
     return dest
 
 
@@ -278,18 +275,7 @@ def _complete(paths: dict[str, Path], sizes) -> bool:
 
 def _write_splits(paths: dict[str, Path], parts: dict[str, bytes]) -> None:
     for name, path in paths.items():
-        _atomic_write(path, parts[name])
-
-
-def _atomic_write(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp_name, path)
-    finally:
-        Path(tmp_name).unlink(missing_ok=True)
+        atomic_write(path, parts[name])
 
 
 # --------------------------------------------------------------------------- batches

@@ -1,0 +1,12 @@
+"""The Enwik8 ablation app, built on the library (which never imports it).
+
+    data.py        download / verify / split any byte corpus; batches; eval windows
+    config.py      TrainConfig, presets, the LR schedule, the resume check
+    cli.py         the command line derived from ModelConfig and TrainConfig
+    trainer.py     Trainer and TrainState (its state_dict is the checkpoint), evaluate
+    checkpoint.py  atomic save / weights_only load of checkpoints, the run-dir guard
+    files.py       the one atomic-write helper
+    runtime.py     torchrun / DDP, CPU threads, signals, progress
+    train.py       main(): python -m linear_rope.train, torchrun ... -m linear_rope.train
+    sample.py      python -m linear_rope.sample
+"""

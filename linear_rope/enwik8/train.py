@@ -1,0 +1,168 @@
+"""Train the Enwik8 ablation: PerformerLM variants x seeds, with TensorBoard, checkpoints and DDP.
+
+Commands, from the repository root::
+
+    # a first run on the shared Wikipedia sample (about a minute on 2 CPU cores)
+    python train_enwik8.py --preset tiny --steps 200 --data ../shared/data/enwiki-sample.xml.bz2 --out runs/first
+    # the CPU-scale ablation, RoPE against no position, two seeds
+    python -m linear_rope.train --preset cpu --variants rope,none --seeds 0,1 \\
+        --data ../shared/data/enwiki-sample.xml.bz2 --out runs/cpu
+    # the paper's setting (RoFormer section 4.4) on enwik8 (downloaded into --data-dir) on one GPU:
+    # global batch 128 = --batch-size 32 x --grad-accum 4, bf16 autocast (the CUDA default)
+    python -m linear_rope.train --preset paper --batch-size 32 --grad-accum 4 --compile --out runs/paper
+    # ... on 8 GPUs: global batch 128 = --batch-size 16 per rank x 8 ranks
+    torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --batch-size 16 \\
+        --compile --out runs/paper
+    # DDP on CPU (gloo): global batch = batch_size * grad_accum * ranks
+    torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 \\
+        --data ../shared/data/enwiki-sample.xml.bz2 --out runs/ddp
+    # continue a finished or interrupted run to more steps, in the same log dirs
+    python -m linear_rope.train --preset cpu --out runs/cpu --resume --steps 4000
+    tensorboard --logdir runs/cpu
+    python -m linear_rope.sample runs/cpu/rope-seed0 --prompt "The "
+
+Every variant x seed is one run in ``<out>/<variant>-seed<k>/`` (TensorBoard events, config.json,
+``ckpt-<step>.pt``, the newest ``--keep-checkpoints`` kept), trained by ``trainer.Trainer``.
+Resume is exact: ``--resume`` reproduces every ``train/loss`` of an uninterrupted run bit for bit
+on CPU. SIGTERM / SIGINT checkpoint at the end of the current step and exit 0 with the resume
+command. A non-finite loss or gradient norm stops the run at that step before the update
+(exit 3), naming the last good checkpoint. Every flag is checked before any data is read
+(``cli.py``): a bad one is one line on stderr and exit 2.
+
+``--compile`` calls ``model.compile()`` in place; on CUDA it is worth it, on CPU it is optional
+(it needs a C++ compiler, and the first step and first eval wait for compilation). On CUDA the
+forward runs under bf16 autocast (``--precision``). On CPU the thread count is the number of
+cores idle at start unless ``--threads`` or ``OMP_NUM_THREADS`` says otherwise (``runtime.py``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+
+from . import data
+from .checkpoint import check_out_dir
+from .cli import build_parser, parse_runs
+from .config import ConfigError, TrainConfig
+from .runtime import Dist, StopSignals, choose_threads, init_distributed, resume_command
+from .trainer import EXIT_NONFINITE, NonFiniteError, Trainer
+
+__all__ = ["main"]
+
+
+def _one_line(e: BaseException | str) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    prog = prog or "python -m linear_rope.train"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(prog)
+    lead = os.environ.get("RANK", "0") == "0"
+
+    def fail(e, code: int = 2):  # under torchrun every rank exits, rank 0 alone says why
+        parser.exit(code, f"{parser.prog}: error: {_one_line(e)}\n" if lead else "")
+
+    try:  # every check that needs no data, before anything is read or written
+        args, runs = parse_runs(parser, argv)
+        clear = check_out_dir(runs, args.resume, args.overwrite)
+    except ValueError as e:
+        fail(e)
+    threads = torch.get_num_threads()  # restored: main may run in-process (tests, notebooks)
+    try:
+        results, dd = _run(runs, clear, args.resume, fail)
+    finally:
+        torch.set_num_threads(threads)
+    if dd.lead:
+        _report(results, Path(runs[0][2].out), argv, prog, dd.world)
+    return 0
+
+
+def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
+    tc0 = runs[0][2]
+    if tc0.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    dd = init_distributed(tc0.device)
+    threads, why = choose_threads(tc0.threads, dd.device)
+    results = []
+    try:
+        with StopSignals(quiet=not dd.lead) as stop:
+            splits = _load_data(runs, dd)
+            if dd.lead:
+                for run_dir in clear:
+                    shutil.rmtree(run_dir)
+                write_layout(Path(tc0.out))
+            if dd.world > 1:
+                dist.barrier()
+            for name, mc, tc in runs:
+                trainer = Trainer(name, mc, tc, splits, dd, stop, threads=f"{threads} ({why})")
+                if resume:
+                    trainer.resume()
+                results.append((name, trainer.fit()))
+                del trainer  # its model and optimizer go before the next run's are built
+                if results[-1][1]["stopped"]:
+                    break
+    except (data.DataError, ConfigError) as e:
+        fail(e)
+    except NonFiniteError as e:
+        fail(e, EXIT_NONFINITE)
+    finally:
+        if dd.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return results, dd
+
+
+def _load_data(runs, dd: Dist) -> dict:
+    """The splits (rank 0 downloads / splits first; the other ranks then find the cache)."""
+    tc = runs[0][2]
+    if dd.lead:
+        paths = _prepare(tc)
+    if dd.world > 1:
+        dist.barrier()
+        paths = paths if dd.lead else _prepare(tc)
+    splits = {k: data.load_split(p) for k, p in paths.items()}
+    for _, mc, _ in runs:
+        if len(splits["train"]) < mc.seq_len + 1:
+            raise data.DataError(
+                f"corpus too short: the train split has {len(splits['train'])} bytes, "
+                f"less than one training window of seq_len + 1 = {mc.seq_len + 1}")
+    return splits
+
+
+def _prepare(tc: TrainConfig) -> dict[str, Path]:
+    return data.prepare_corpus(tc.data, tc.data_dir) if tc.data else data.prepare_enwik8(tc.data_dir)
+
+
+def write_layout(out: Path) -> None:
+    """Custom-scalars charts at the experiment root: each chart overlays every run's curve."""
+    if any(out.glob("events.out.tfevents.*")):
+        return
+    layout = {"ablation": {"val/bpc (all runs)": ["Multiline", [r"^val/bpc$"]],
+                           "train/bpc (all runs)": ["Multiline", [r"^train/bpc$"]]}}
+    out.mkdir(parents=True, exist_ok=True)
+    with SummaryWriter(out) as w:
+        w.add_custom_scalars(layout)
+
+
+def _report(results, out: Path, argv: list[str], prog: str, world: int) -> None:
+    """The final table on stdout; on a signal, the command that resumes."""
+    print(f"{'run':<20} {'step':>7} {'val bpc':>8} {'test bpc':>8}")
+    for name, r in results:
+        val, test = (f"{v:8.4f}" if v is not None else f"{'-':>8}"
+                     for v in (r["val_bpc"], r["test_bpc"]))
+        print(f"{name:<20} {r['step']:>7} {val} {test}")
+    print(f"tensorboard --logdir {out}")
+    if results and results[-1][1]["stopped"]:
+        name, r = results[-1]
+        print(f"{name}: stopped by {r['stopped']} at step {r['step']}, checkpoint saved; "
+              f"resume with:\n  {resume_command(argv, prog, world)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Trainer and TrainState: one run (one variant x seed) of the Enwik8 ablation.
+
+``TrainState`` holds everything a checkpoint holds, and nothing else: its ``state_dict()`` *is*
+the checkpoint and ``load_state_dict()`` restores it (model, optimizer, step, metrics, and the
+torch / data / feature generator states of every rank), as in torchtitan. ``Trainer.fit`` is the
+loop; ``Trainer.train_step`` is one optimizer step; :func:`evaluate` is the one BPC evaluation.
+
+Runs with the same seed share the initial weights (``torch.manual_seed(seed)`` before the model
+is built), the FAVOR+ projections and every redraw (a generator seeded ``seed + 1_000_003``) and
+the data order (a generator seeded ``seed * 1000``), so variants differ only in where position
+enters the model. Each step draws one global batch of crop starts; rank ``r`` takes micro-batch
+``j``'s slice ``(j * world + r) * batch_size``, so ranks see distinct crops and 2 ranks x batch b
+train on the same global batches as 1 rank x batch 2b.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.tensorboard import SummaryWriter
+
+from ..model import ModelConfig, PerformerLM
+from . import data
+from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .config import ConfigError, TrainConfig, lr_at, resume_diffs
+from .files import atomic_write
+from .runtime import Dist, Progress, StopSignals, param_digest
+
+__all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer",
+           "NonFiniteError", "EXIT_NONFINITE", "FEATURE_SEED_OFFSET"]
+
+FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
+EXIT_NONFINITE = 3
+
+
+class NonFiniteError(Exception):
+    """The loss or the gradient norm is NaN / inf (the run stops, exit 3)."""
+
+
+def build_run(mc: ModelConfig, seed: int):
+    """Model, data generator and feature generator of one run at step 0 (on CPU).
+
+    The same ``seed`` gives every variant (and every rank) the same initial weights, FAVOR+
+    projections and data stream.
+    """
+    torch.manual_seed(seed)
+    model = PerformerLM(mc)
+    feature_gen = torch.Generator().manual_seed(seed + FEATURE_SEED_OFFSET)
+    model.redraw_features(feature_gen)
+    data_gen = torch.Generator().manual_seed(seed * 1000)
+    return model, data_gen, feature_gen
+
+
+def uses_bf16(device: torch.device, precision: str = "auto") -> bool:
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def autocast(device: torch.device, precision: str = "auto"):
+    """bf16 autocast for ``precision`` bf16, or auto on CUDA: the projections and feed-forward
+    run in bf16, the attention op keeps its feature map and running sums in fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(device, precision))
+
+
+@torch.no_grad()
+def evaluate(model, split, seq_len: int, batch_size: int, dd: Dist = Dist(),
+             precision: str = "auto") -> float:
+    """BPC over the whole split: summed nats / summed bytes / ln 2, both summed across ranks."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=dd.device)  # nats, predicted bytes
+    for i, (x, y) in enumerate(data.eval_batches(split, seq_len, batch_size)):
+        if i % dd.world != dd.rank:
+            continue
+        with autocast(dd.device, precision):
+            logits = model(x.to(dd.device))
+        sums[0] += F.cross_entropy(logits.float().flatten(0, 1), y.to(dd.device).flatten(),
+                                   reduction="sum").double()
+        sums[1] += y.numel()
+    if dd.world > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    nats, n_bytes = sums.tolist()
+    assert n_bytes == data.count_eval_bytes(split), (n_bytes, data.count_eval_bytes(split))
+    return nats / n_bytes / math.log(2)
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr)
+
+
+class TrainState:
+    """What a checkpoint holds. ``state_dict()`` is collective under DDP (it gathers every rank's
+    RNG state and parameter digest, and fails if the ranks' weights differ)."""
+
+    def __init__(self, model: PerformerLM, optimizer, data_gen, feature_gen, config: dict,
+                 dd: Dist):
+        self.model, self.optimizer, self.config, self.dd = model, optimizer, config, dd
+        self.data_gen, self.feature_gen = data_gen, feature_gen
+        self.step = 0
+        self.metrics: dict = {"val_bpc": None, "test_bpc": None}
+
+    def state_dict(self) -> dict:
+        dd = self.dd
+        digests = dd.gather(param_digest(self.model))  # identical weights are checked, not assumed
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks hold different weights at step {self.step}: {digests}")
+        torch_states = dd.gather(torch.get_rng_state())  # each rank's dropout stream
+        rng = {"torch": torch_states[0], "data": self.data_gen.get_state(),
+               "features": self.feature_gen.get_state()}
+        if dd.world > 1:
+            rng["torch_ranks"] = torch_states
+        if dd.device.type == "cuda":
+            cuda_states = dd.gather(torch.cuda.get_rng_state())
+            rng["cuda"] = cuda_states[0]
+            if dd.world > 1:
+                rng["cuda_ranks"] = cuda_states
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step": self.step, "rng": rng, "config": self.config,
+                "metrics": dict(self.metrics), "world": dd.world, "param_sha256": digests}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a checkpoint of this version or of linear_rope 0.1 (per-rank data list)."""
+        dd, rng = self.dd, sd["rng"]
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.step = sd["step"]
+        self.metrics = {"val_bpc": None, "test_bpc": None, **sd.get("metrics", {})}
+        torch.set_rng_state(rng["torch_ranks"][dd.rank] if dd.world > 1 else rng["torch"])
+        if dd.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda_ranks"][dd.rank] if dd.world > 1 else rng["cuda"])
+        self.data_gen.set_state(rng["data"][0] if isinstance(rng["data"], list) else rng["data"])
+        self.feature_gen.set_state(rng["features"])
+
+
+class Trainer:
+    """One run: ``Trainer(...).resume()`` (optional), then ``.fit()`` -> its result dict."""
+
+    def __init__(self, name: str, mc: ModelConfig, tc: TrainConfig, splits: dict,
+                 dd: Dist = Dist(), stop: StopSignals | None = None, threads: str = ""):
+        self.name, self.mc, self.tc, self.splits, self.dd, self.stop = name, mc, tc, splits, dd, stop
+        self.threads = threads  # how many CPU threads, and why: for the header line
+        self.run_dir = Path(tc.out) / name
+        try:
+            model, data_gen, feature_gen = build_run(mc, tc.seed)
+        except ValueError as e:
+            raise ConfigError(f"{name}: {e}") from e
+        if dd.rank:  # rank 0 keeps the seed's stream; the others draw their own dropout masks
+            torch.manual_seed(tc.seed * 1000 + FEATURE_SEED_OFFSET * dd.rank)
+        self.model = self.net = model.to(dd.device)
+        config = {"model": asdict(mc), "train": asdict(tc)}
+        self.state = TrainState(model, make_optimizer(model, tc), data_gen, feature_gen, config, dd)
+        self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
+        self.writer, self.progress = None, None
+
+    def resume(self) -> bool:
+        """Load the run dir's newest checkpoint, if any, after the one resume check."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointError as e:
+            older = [p for _, p in list_checkpoints(self.run_dir)[:-1]]
+            hint = f"; move it away to resume from {older[-1].name}" if older else ""
+            raise ConfigError(f"cannot resume: {e}{hint}") from None
+        diffs = resume_diffs(ckpt["config"], self.mc, self.tc)
+        if ckpt.get("world", 1) != self.dd.world:
+            diffs.append(f"ranks: checkpoint {ckpt.get('world', 1)}, now {self.dd.world} (the "
+                         f"global batch and data slices depend on it)")
+        if diffs:
+            raise ConfigError(f"cannot resume from {path}: config differs ({'; '.join(diffs)})")
+        old = ckpt["config"]["train"]
+        if (self.tc.decay_steps is None and old.get("decay_steps") is None
+                and old["steps"] != self.tc.steps and self.dd.lead):
+            print(f"{self.name}: note: the cosine now ends at step {self.tc.steps}, not "
+                  f"{old['steps']} (fix --decay-steps to avoid this)", file=sys.stderr)
+        self.state.load_state_dict(ckpt)
+        return True
+
+    def fit(self) -> dict:
+        """Train up to ``tc.steps``; ``{"step", "val_bpc", "test_bpc", "stopped"}``, where
+        ``stopped`` names the signal that ended the run early (it was checkpointed)."""
+        st, tc = self.state, self.tc
+        if st.step >= tc.steps:
+            if self.dd.lead:
+                print(f"{self.name}: already done (step {st.step} >= --steps {tc.steps}); "
+                      f"skipping", file=sys.stderr)
+            return {"step": st.step, **st.metrics, "stopped": None}
+        st.metrics["test_bpc"] = None  # of the shorter run; measured again at the new end
+        self._open()
+        stopped = None
+        try:
+            for step in range(st.step, tc.steps):
+                loss, grad_norm, stop_now = self.train_step(step)
+                st.step = done = step + 1
+                self._log_train(loss, grad_norm)
+                last = done == tc.steps
+                evaluated = bool(tc.eval_every and done % tc.eval_every == 0) or last
+                if evaluated:
+                    self._log_eval(last)
+                if evaluated or stop_now or (tc.checkpoint_every and done % tc.checkpoint_every == 0):
+                    self.save()
+                if stop_now and not last:
+                    stopped = (self.stop and self.stop.received) or "a signal on another rank"
+                    break
+            if stopped is None and self.writer is not None:
+                self._log_final()
+        finally:
+            self._close()
+        return {"step": st.step, **st.metrics, "stopped": stopped}
+
+    def train_step(self, step: int) -> tuple[float, float, bool]:
+        """The update at 0-based ``step``: redraw, lr, one global batch in ``grad_accum`` micro-
+        batches, clip, one small collective (mean loss, non-finite flag, stop request), AdamW.
+        Returns ``(loss, grad norm, stop requested)``; a non-finite loss or gradient norm raises
+        :class:`NonFiniteError` before the update."""
+        st, tc, mc, dd = self.state, self.tc, self.mc, self.dd
+        if mc.feature_redraw_interval and step > 0 and step % mc.feature_redraw_interval == 0:
+            self.model.redraw_features(st.feature_gen)
+        for group in st.optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        train = self.splits["train"]
+        starts = data.draw_starts(train, self.per_step, mc.seq_len, st.data_gen)
+        st.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=dd.device)
+        for j in range(tc.grad_accum):
+            lo = (j * dd.world + dd.rank) * tc.batch_size
+            x, y = data.crops(train, starts[lo:lo + tc.batch_size], mc.seq_len)
+            sync = self.net is self.model or j == tc.grad_accum - 1  # DDP reduces on the last
+            with contextlib.nullcontext() if sync else self.net.no_sync():
+                with autocast(dd.device, tc.precision):
+                    logits = self.net(x.to(dd.device, non_blocking=True))
+                loss = F.cross_entropy(logits.float().flatten(0, 1),
+                                       y.to(dd.device, non_blocking=True).flatten())
+                (loss / tc.grad_accum).backward()
+            loss_sum = loss_sum + loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or math.inf)
+        stop = float(self.stop is not None and self.stop.received is not None)
+        stats = torch.stack([loss_sum.float() / tc.grad_accum,
+                             (~torch.isfinite(loss_sum)).float() + (~torch.isfinite(grad_norm)).float(),
+                             torch.tensor(stop, device=dd.device)])
+        if dd.world > 1:
+            dist.all_reduce(stats)
+            stats[0] /= dd.world
+        loss_v, bad, stop_now = stats.tolist()
+        if bad:
+            what = "loss" if not math.isfinite(loss_v) else "gradient norm"
+            good = latest_checkpoint(self.run_dir)
+            where = (f"last good checkpoint: {good} (resume from it with --resume, e.g. with a "
+                     f"lower --lr)" if good else "no checkpoint was written yet")
+            raise NonFiniteError(f"{self.name}: non-finite {what} at step {step + 1}; the update "
+                                 f"was not applied and the run stopped; {where}")
+        st.optimizer.step()
+        return loss_v, grad_norm.item(), bool(stop_now)
+
+    def evaluate(self, split: str) -> float:
+        return evaluate(self.model, self.splits[split], self.mc.seq_len, self.tc.eval_batch_size,
+                        self.dd, self.tc.precision)
+
+    def save(self) -> None:
+        """Checkpoint ``TrainState.state_dict()`` (every rank takes part; rank 0 writes)."""
+        sd = self.state.state_dict()
+        if self.dd.lead:
+            save_checkpoint(self.run_dir, self.state.step, sd, keep=self.tc.keep_checkpoints)
+
+    # ------------------------------------------------------------------ logs (rank 0 writes)
+
+    def _open(self) -> None:
+        """compile, DDP, and on rank 0 config.json, the TensorBoard writer and the progress."""
+        st, tc, dd = self.state, self.tc, self.dd
+        if tc.compile:
+            self.model.compile()  # in place: state_dict keys stay clean
+        if dd.world > 1:
+            ids = [dd.device.index] if dd.device.type == "cuda" else None
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        self.progress = Progress(self.name, tc.steps, st.step, enabled=dd.lead)
+        self._t0, self._n = time.perf_counter(), 0
+        if not dd.lead:
+            return
+        text = json.dumps(st.config, indent=2)
+        atomic_write(self.run_dir / "config.json", text + "\n")
+        # purge_step: readers drop events a killed process wrote after the checkpoint we resume
+        self.writer = SummaryWriter(self.run_dir, purge_step=st.step + 1)
+        self.writer.add_text("config", f"```\n{text}\n```", st.step)
+        precision = "bf16 autocast" if uses_bf16(dd.device, tc.precision) else "fp32"
+        print(f"{self.name}: {self.model.num_params():,} params, steps {st.step} -> {tc.steps}, "
+              f"device {dd.device}, {precision}{', compiled' if tc.compile else ''}, "
+              f"{f'threads {self.threads}, ' if self.threads else ''}ranks {dd.world}, "
+              f"global batch {self.per_step}", file=sys.stderr)
+
+    def _log_train(self, loss: float, grad_norm: float) -> None:
+        done, tc = self.state.step, self.tc
+        self._n += 1
+        bpc = loss / math.log(2)
+        if done % tc.log_every == 0 or done == tc.steps:
+            if self.writer is not None:
+                tok_s = self._n * self.per_step * self.mc.seq_len / (time.perf_counter() - self._t0)
+                for tag, v in (("train/loss", loss), ("train/bpc", bpc), ("lr", lr_at(done - 1, tc)),
+                               ("perf/tokens_per_sec", tok_s), ("grad/norm", grad_norm)):
+                    self.writer.add_scalar(tag, v, done)
+            self._t0, self._n = time.perf_counter(), 0
+        self.progress.update(done, loss=f"{loss:.4f}", bpc=f"{bpc:.3f}")
+
+    def _log_eval(self, last: bool) -> None:
+        st, t = self.state, time.perf_counter()
+        st.metrics["val_bpc"] = self.evaluate("valid")
+        if self.writer is not None:
+            self.writer.add_scalar("val/bpc", st.metrics["val_bpc"], st.step)
+        self.progress.write(f"{self.name} step {st.step}: val bpc {st.metrics['val_bpc']:.4f} "
+                            f"(eval {time.perf_counter() - t:.1f} s)")
+        if last:
+            st.metrics["test_bpc"] = self.evaluate("test")
+        self._t0, self._n = time.perf_counter(), 0  # tokens/s leaves eval time out
+
+    def _log_final(self) -> None:
+        st, w = self.state, self.writer
+        w.add_scalar("test/bpc", st.metrics["test_bpc"], self.tc.steps)
+        hparams = {f"{group}.{k}": ("None" if v is None else v)
+                   for group, cfg in st.config.items() for k, v in cfg.items()}
+        w.add_hparams({"run": self.name, **hparams}, {"hparam/val_bpc": st.metrics["val_bpc"],
+                                                      "hparam/test_bpc": st.metrics["test_bpc"]},
+                      run_name=".")
+
+    def _close(self) -> None:
+        # drop DDP's reducer now: freed after destroy_process_group, gloo's destructor can hang
+        self.net = self.model
+        if self.progress is not None:
+            self.progress.close()
+        if self.writer is not None:
+            self.writer.close()

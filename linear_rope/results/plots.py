@@ -1,0 +1,397 @@
+"""Results tables and figures from finished runs (matplotlib: ``pip install -e ".[plot]"``).
+
+    python -m linear_rope.plots decay --out results            # RoFormer Fig. 2, d=64 and m=266
+    python -m linear_rope.plots all --runs runs/results \\
+        --data ../shared/data/enwiki-sample.xml.bz2 --out results
+
+``all`` runs, in order: ``export`` (each run's TensorBoard scalars to ``curves/<run>.csv``),
+``extrapolate`` (test BPC of every final model at windows L, 2L, 4L, 8L), ``attention`` (the
+Eq. 19 weight matrix of one head and the row sums of every head, per variant, as PNGs and as
+TensorBoard images in the run), ``decay``, ``summary`` (``summary.json`` and the val-BPC
+figure with mean +- std bands) and ``tables`` (the README's markdown tables, printed). Every
+figure is drawn from the CSV / JSON written beside it.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ..enwik8 import data
+from ..enwik8.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from ..enwik8.cli import OneLineParser
+from ..enwik8.files import atomic_write
+from ..enwik8.sample import load_model
+from . import analysis
+
+RUN = re.compile(r"^(?P<variant>[a-z_]+)-seed(?P<seed>\d+)$")
+COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_pre": "tab:green"}
+TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc")
+
+
+class ResultsError(Exception):
+    """Nothing to plot, or no matplotlib (the CLI prints it and exits 2)."""
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ResultsError('matplotlib is not installed; pip install -e ".[plot]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def find_runs(runs: Path) -> dict[str, tuple[str, int]]:
+    """``{run name: (variant, seed)}`` for every *finished* run dir under ``runs`` (its newest
+    checkpoint is at the configured ``steps``); unfinished runs are listed and left out."""
+    found = {}
+    for p in sorted(runs.iterdir()):
+        if not (p.is_dir() and (m := RUN.match(p.name))):
+            continue
+        try:
+            ckpt = load_checkpoint(resolve_checkpoint(p))
+            done = ckpt["step"] >= ckpt["config"]["train"]["steps"]
+        except CheckpointError:
+            done = False
+        if done:
+            found[p.name] = (m["variant"], int(m["seed"]))
+        else:
+            print(f"leaving out {p.name}: not finished", file=sys.stderr)
+    if not found:
+        raise ResultsError(f"no finished <variant>-seed<k> runs in {runs}")
+    return found
+
+
+def _save(fig, path: Path, legend_axes=()) -> None:
+    for ax in legend_axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+
+
+def write_csv(path: Path, header: list[str], rows) -> None:
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(header)
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue())
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def export(runs: Path, out: Path) -> None:
+    """One wide CSV per run: step, then one column per tag (empty where not logged)."""
+    for name in find_runs(runs):
+        scalars = analysis.read_scalars(runs / name)
+        steps = sorted({s for tag in TAGS for s, _ in scalars.get(tag, [])})
+        by_tag = {tag: dict(scalars.get(tag, [])) for tag in TAGS}
+        write_csv(out / "curves" / f"{name}.csv", ["step", *TAGS],
+                  ([s, *(f"{by_tag[t][s]:.6g}" if s in by_tag[t] else "" for t in TAGS)]
+                   for s in steps))
+    print(f"wrote {out / 'curves'}/*.csv", file=sys.stderr)
+
+
+def _final_models(runs: Path):
+    for name, (variant, seed) in find_runs(runs).items():
+        path = resolve_checkpoint(runs / name)
+        yield name, variant, seed, path, load_model(path)
+
+
+def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2, 4, 8)) -> None:
+    """Test BPC of every finished run at windows of f * L. 1L is the run's own final test BPC
+    (the same protocol: whole split, non-overlapping windows of L). Rows already in
+    ``extrapolation.csv`` for the same run and step are kept, so this can run as runs finish."""
+    test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
+    header = ["run", "variant", "seed", "step", *(f"bpc_{f}L" for f in factors)]
+    done = {}
+    if (out / "extrapolation.csv").is_file():
+        done = {(r["run"], r["step"]): [r[h] for h in header]
+                for r in read_csv(out / "extrapolation.csv") if list(r) == header}
+    rows = []
+    for name, (variant, seed) in find_runs(runs).items():
+        path = resolve_checkpoint(runs / name)
+        ckpt = load_checkpoint(path)
+        if (name, str(ckpt["step"])) in done:
+            rows.append(done[(name, str(ckpt["step"]))])
+            continue
+        model = load_model(path)
+        L = model.cfg.seq_len
+        bpc = {L: ckpt["metrics"]["test_bpc"],
+               **analysis.bpc_at_lengths(model, test, [f * L for f in factors if f != 1])}
+        rows.append([name, variant, seed, ckpt["step"],
+                     *("" if bpc[f * L] is None else f"{bpc[f * L]:.5f}" for f in factors)])
+        write_csv(out / "extrapolation.csv", header, rows)  # progress survives an interruption
+        print(f"{name}: " + ", ".join(f"{f}L {bpc[f * L]}" for f in factors), file=sys.stderr)
+    write_csv(out / "extrapolation.csv", header, rows)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    by_variant = defaultdict(list)
+    for r in read_csv(out / "extrapolation.csv"):
+        by_variant[r["variant"]].append(r)
+    for variant, rs in sorted(by_variant.items()):
+        cols = [c for c in rs[0] if c.startswith("bpc_") and all(r[c] for r in rs)]
+        xs = [int(c[4:-1]) for c in cols]
+        means = [statistics.mean(float(r[c]) for r in rs) for c in cols]
+        ax.plot(xs, means, "o-", color=COLORS.get(variant), label=f"{variant} (n={len(rs)})")
+    ax.set(xscale="log", xlabel="eval window / training length L", ylabel="test BPC",
+           title="Length extrapolation (mean over seeds)")
+    ax.set_xticks([1, 2, 4, 8], ["L", "2L", "4L", "8L"])
+    ax.set_xticks([], minor=True)
+    _save(fig, out / "extrapolation.png", [ax])
+
+
+def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | None = None,
+              head: int = 0, windows: int = 16) -> None:
+    """Seed 0 of each variant, middle layer: one head's W on the first test window, and every
+    head's row sums, averaged over the first ``windows`` test windows."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    plt = _plt()
+    test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
+    models = [m for m in _final_models(runs) if m[2] == 0]
+    rows, sums = [], {}
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 4), squeeze=False)
+    for ax, (name, variant, _, _, model) in zip(axes[0], models):
+        L, li = model.cfg.seq_len, model.cfg.depth // 2 if layer is None else layer
+        acc = torch.zeros(model.cfg.heads, L, dtype=torch.float64)
+        for i in range(windows):
+            ids = torch.from_numpy(test[i * L:(i + 1) * L].astype("int64"))
+            for h in range(model.cfg.heads):
+                wh, s = analysis.eq19_weights(model, ids, li, h)
+                acc[h] += s / windows
+                if i == 0 and h == head:
+                    w = wh
+        sums[variant] = acc  # (H, N)
+        rows += [[variant, li, h, n, f"{acc[h, n].item():.6f}"] for h in range(model.cfg.heads)
+                 for n in range(L)]
+        lim = w.tril().abs().flatten().quantile(0.99).item()  # a few spikes would wash it out
+        im = ax.imshow(w.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+        ax.set(xlabel="key n", ylabel="query m")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        ax.set_title(f"{variant}: layer {li}, head {head}\n(colours clipped at the 99th pct of |W|)",
+                     fontsize=10)
+        with SummaryWriter(runs / name) as writer:  # beside the run's curves in TensorBoard
+            step = load_checkpoint(resolve_checkpoint(runs / name))["step"]
+            img = ((w / lim).clamp(-1, 1) + 1) / 2  # [-lim, lim] -> [0, 1]
+            writer.add_image(f"attention/eq19_weights_layer{li}_head{head}", img[None].float(), step)
+            f2, a2 = plt.subplots(figsize=(5, 3))
+            for h in range(model.cfg.heads):
+                a2.plot(acc[h].numpy(), lw=0.8, label=f"head {h}")
+            a2.axhline(1.0, color="k", lw=0.5)
+            a2.set(xlabel="query position m", ylabel="row sum of W", title=f"{variant}, layer {li}")
+            a2.legend(fontsize=7)
+            writer.add_figure(f"attention/row_sums_layer{li}", f2, step)  # closes f2
+    _save(fig, out / "attention_weights.png")
+    write_csv(out / "attention_rowsums.csv", ["variant", "layer", "head", "position", "row_sum"], rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant, s in sorted(sums.items()):
+        ax.plot(s.mean(0).numpy(), color=COLORS.get(variant), label=f"{variant} (mean of heads)")
+        ax.fill_between(range(s.shape[1]), s.min(0).values.numpy(), s.max(0).values.numpy(),
+                        color=COLORS.get(variant), alpha=0.15)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set(xlabel="query position m", ylabel="sum_n W[m, n]")
+    ax.set_title(f"Row sums of W, layer {li}: mean of {windows} test windows\n"
+                 f"(line: mean of heads; band: min-max over heads)", fontsize=10)
+    _save(fig, out / "attention_rowsums.png", [ax])
+    print(f"wrote {out}/attention_*.png", file=sys.stderr)
+
+
+def decay(out: Path, dims=(64, 266), max_distance: int = 1024) -> None:
+    bounds = {d: analysis.rope_decay_bound(d, max_distance) for d in dims}
+    write_csv(out / "decay.csv", ["distance", *(f"bound_d{d}" for d in dims)],
+              ([r, *(f"{bounds[d][r].item():.6f}" for d in dims)] for r in range(max_distance + 1)))
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for d in dims:
+        label = f"d = {d}" + (" (head dim)" if d == 64 else " (features m, rotated by Eq. 19)")
+        axes[0].plot(bounds[d].numpy(), label=label)
+        axes[1].plot(range(1, max_distance + 1), (bounds[d][1:] / bounds[d][0]).numpy(), label=label)
+    axes[0].set(xlabel="relative distance", ylabel="relative upper bound: mean_j |S_j|",
+                title="Long-term decay of RoPE (RoFormer Fig. 2)")
+    axes[1].set(xscale="log", xlabel="relative distance", ylabel="bound / bound at distance 0",
+                title="Normalised by the value at distance 0")
+    _save(fig, out / "decay.png", axes)
+    print(f"wrote {out}/decay.csv, decay.png", file=sys.stderr)
+
+
+def _mean_std(xs: list[float]) -> dict:
+    return {"mean": statistics.mean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "n": len(xs), "values": xs}
+
+
+def summary(runs: Path, out: Path) -> dict:
+    """summary.json from the exported curves (and extrapolation.csv when present); val figure."""
+    curves = {name: read_csv(out / "curves" / f"{name}.csv") for name in find_runs(runs)}
+    variants = defaultdict(dict)
+    for name, (variant, seed) in find_runs(runs).items():
+        variants[variant][seed] = curves[name]
+
+    col = _col
+    result = {"variants": {}}
+    none_final = None
+    if "none" in variants:
+        none_final = statistics.mean(col(rs, "val/bpc")[-1][1] for rs in variants["none"].values())
+    for variant, seeds in sorted(variants.items()):
+        val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
+        test = [col(rs, "test/bpc")[-1][1] for rs in seeds.values() if col(rs, "test/bpc")]
+        entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
+                 "wall_minutes": [round(analysis.wall_seconds(runs / f"{variant}-seed{s}") / 60, 1)
+                                  for s in seeds],
+                 "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None}
+        if none_final is not None:
+            entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
+                                                for rs in seeds.values()]
+            entry["steps_to_none_final_val_smoothed_train"] = [
+                analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
+                for rs in seeds.values()]
+        result["variants"][variant] = entry
+    result["none_final_val_bpc_mean"] = none_final
+    if (out / "extrapolation.csv").is_file():
+        ext = defaultdict(lambda: defaultdict(list))
+        for r in read_csv(out / "extrapolation.csv"):
+            for c, v in r.items():
+                if c.startswith("bpc_") and v:
+                    ext[r["variant"]][c[4:]].append(float(v))
+        result["extrapolation_test_bpc"] = {v: {k: _mean_std(xs) for k, xs in d.items()}
+                                            for v, d in ext.items()}
+    if (out / "attention_rowsums.csv").is_file():
+        rs = defaultdict(list)
+        for r in read_csv(out / "attention_rowsums.csv"):
+            rs[r["variant"]].append(float(r["row_sum"]))
+        result["attention_row_sums"] = {v: {"min": min(x), "max": max(x),
+                                            "mean_abs_dev_from_1": statistics.mean(abs(a - 1) for a in x)}
+                                        for v, x in rs.items()}
+    atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
+    _curves_figure(variants, out / "val_bpc.png")
+    print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
+    return result
+
+
+def _col(rows, tag):
+    return [(int(r["step"]), float(r[tag])) for r in rows if r[tag]]
+
+
+def _curves_figure(variants: dict, path: Path) -> None:
+    """Val BPC (left) and smoothed train BPC (right), mean +- std over seeds, per variant."""
+    col = _col
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for variant, seeds in sorted(variants.items()):
+        for ax, tag in zip(axes, ("val/bpc", "train/bpc")):
+            series = [col(rs, tag) for rs in seeds.values()]
+            if tag == "train/bpc":
+                series = [_smooth(s) for s in series]
+            n = min(len(s) for s in series)
+            steps = [s for s, _ in series[0][:n]]
+            ys = torch.tensor([[v for _, v in s[:n]] for s in series])
+            mean, std = ys.mean(0), ys.std(0) if len(series) > 1 else torch.zeros(n)
+            ax.plot(steps, mean, "o-" if tag == "val/bpc" else "-", ms=3,
+                    color=COLORS.get(variant), label=f"{variant} (n={len(series)})")
+            ax.fill_between(steps, mean - std, mean + std, color=COLORS.get(variant), alpha=0.2)
+    axes[0].set(xlabel="step", ylabel="val BPC (whole split)", title="Validation BPC, mean ± std")
+    axes[1].set(xlabel="step", ylabel="train BPC (EMA 0.9)", title="Training BPC, mean ± std",
+                ylim=(None, 5))
+    _save(fig, path, axes)
+
+
+def tables(out: Path) -> str:
+    """The README's results tables (markdown) from ``summary.json``."""
+    s = json.loads((out / "summary.json").read_text())
+
+    def ms(d, digits=3):
+        return "–" if not d else (f"{d['mean']:.{digits}f} ± {d['std']:.{digits}f}" if d["n"] > 1
+                                  else f"{d['mean']:.{digits}f}")
+
+    order = [v for v in ("rope", "rope_pre", "absolute", "none") if v in s["variants"]]
+    lines = ["| variant | seeds | final val BPC | final test BPC | steps to reach `none`'s final "
+             "val BPC (val curve / smoothed train curve) | minutes per run |",
+             "|---|---|---|---|---|---|"]
+    for v in order:
+        e = s["variants"][v]
+
+        def reach(key):
+            xs = e.get(key) or []
+            return ", ".join("never" if x is None else f"{x:.0f}" for x in xs) or "–"
+        lines.append(f"| `{v}` | {len(e['seeds'])} | {ms(e['final_val_bpc'])} | "
+                     f"{ms(e['final_test_bpc'])} | {reach('steps_to_none_final_val')} / "
+                     f"{reach('steps_to_none_final_val_smoothed_train')} | "
+                     f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
+    ext = s.get("extrapolation_test_bpc")
+    if ext:
+        cols = ["1L", "2L", "4L", "8L"]
+        lines += ["", "| variant | " + " | ".join(f"test BPC at {c}" for c in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for v in order:
+            if v in ext:
+                lines.append(f"| `{v}` | " + " | ".join(ms(ext[v].get(c)) for c in cols) + " |")
+    rs = s.get("attention_row_sums")
+    if rs:
+        lines += ["", "| variant (seed 0, middle layer) | min row sum | max row sum | "
+                  "mean abs(row sum − 1) |", "|---|---|---|---|"]
+        for v in order:
+            if v in rs:
+                r = rs[v]
+                lines.append(f"| `{v}` | {r['min']:.3f} | {r['max']:.3f} | "
+                             f"{r['mean_abs_dev_from_1']:.3f} |")
+    return "\n".join(lines)
+
+
+def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int, float]]:
+    """Exponential moving average with bias correction (TensorBoard-style smoothing)."""
+    out, avg = [], 0.0
+    for i, (s, v) in enumerate(curve):
+        avg = beta * avg + (1 - beta) * v
+        out.append((s, avg / (1 - beta ** (i + 1))))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m linear_rope.plots", description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "decay", "summary",
+                                    "tables"])
+    p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
+    p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
+                   help="the corpus the runs trained on (for test windows)")
+    p.add_argument("--data-dir", default="data", help="split cache dir (default data)")
+    p.add_argument("--out", default="results", help="where CSV/JSON/PNG files go (default results)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    out, runs = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what != "decay" and not runs.is_dir():
+        p.exit(2, f"{p.prog}: error: --runs {runs} is not a directory\n")
+    try:
+        if args.what in ("all", "export"):
+            export(runs, out)
+        if args.what in ("all", "extrapolate"):
+            extrapolate(runs, out, args.data, args.data_dir)
+        if args.what in ("all", "attention"):
+            attention(runs, out, args.data, args.data_dir)
+        if args.what in ("all", "decay"):
+            decay(out)
+        if args.what in ("all", "summary"):
+            summary(runs, out)
+        if args.what in ("all", "tables"):
+            print(tables(out))
+    except (data.DataError, CheckpointError, ResultsError) as e:
+        p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""linear_rope.enwik8.trainer: bf16 autocast per variant, torch.compile against eager, and
+TrainState.state_dict() as the checkpoint."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import losses, run_main
+from linear_rope.enwik8.checkpoint import latest_checkpoint, load_checkpoint
+from linear_rope.enwik8.config import TrainConfig
+from linear_rope.enwik8.trainer import Trainer
+from linear_rope.model import MODEL_PRESETS, ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VARIANTS = ["rope", "rope_pre", "absolute", "none"]
+
+
+@pytest.fixture(scope="module")
+def splits(corpus):
+    raw = np.frombuffer(corpus.read_bytes(), dtype=np.uint8)
+    return {"train": raw[:60_000], "valid": raw[60_000:62_000], "test": raw[62_000:64_000]}
+
+
+def trainer(splits, tmp_path: Path, position: str, dropout: float = 0.0, **train) -> Trainer:
+    # 2 layers of the cpu preset's width: big enough for bf16 to round, small enough to be quick
+    mc = ModelConfig(**{**MODEL_PRESETS["cpu"], "depth": 2, "seq_len": 64, "position": position,
+                        "dropout": dropout, "feature_redraw_interval": 2})
+    tc = TrainConfig(**{"batch_size": 4, "warmup_steps": 1, "steps": 4, "out": str(tmp_path), **train})
+    return Trainer(position + "-seed0", mc, tc, splits)
+
+
+@pytest.mark.parametrize("position", VARIANTS)
+def test_bf16_autocast_step_is_finite_and_within_2_percent_of_fp32(splits, tmp_path, position):
+    """CPU autocast stands in for CUDA's: the same step in bf16 and fp32 from the same state."""
+    got = {}
+    for precision in ("fp32", "bf16"):
+        t = trainer(splits, tmp_path, position, precision=precision)
+        losses_ = [t.train_step(s)[0] for s in range(3)]  # three updates: bf16 weights drift too
+        grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads), precision
+        assert all(p.dtype == torch.float32 for p in t.model.parameters())  # fp32 master weights
+        got[precision] = losses_
+    for fp32, bf16 in zip(got["fp32"], got["bf16"]):
+        # bf16 has an 8-bit mantissa (rel. error 2^-9 per rounding); the loss is a mean over
+        # 256 positions of logits from bf16 matmuls, so 2% is far above its noise
+        assert bf16 == pytest.approx(fp32, rel=0.02)
+
+
+def test_train_state_dict_is_the_checkpoint_and_restores_exactly(splits, tmp_path):
+    a = trainer(splits, tmp_path, "rope", dropout=0.1)  # the torch RNG matters too
+    a.train_step(0)
+    a.state.step = 1
+    a.save()
+    ckpt = load_checkpoint(latest_checkpoint(a.run_dir))
+    sd = a.state.state_dict()
+    assert set(ckpt) == set(sd) == {"model", "optimizer", "step", "rng", "config", "metrics", "world",
+                                    "param_sha256"}
+    want = [a.train_step(step) for step in (1, 2)]  # a feature redraw at step 2
+    b = trainer(splits, tmp_path, "rope", dropout=0.1)  # reseeds the (shared) global RNG
+    assert b.resume() and b.state.step == 1
+    assert [b.train_step(step) for step in (1, 2)] == want  # weights, moments, every generator
+    for k, v in a.model.state_dict().items():
+        assert torch.equal(v, b.model.state_dict()[k]), k
+
+
+@pytest.mark.slow
+def test_compile_trains_and_its_losses_equal_eager(corpus, tmp_path):
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    argv = ["--preset", "tiny", "--variants", "rope", "--steps", "4", "--eval-every", "0",
+            "--log-every", "1", "--eval-batch-size", "2048", "--data", str(corpus),
+            "--data-dir", str(tmp_path / "data")]
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        code, _, err = run_main(argv + ["--out", str(tmp_path / name), *extra])
+        assert code == 0, err
+    eager, compiled = losses(tmp_path / "eager/rope-seed0"), losses(tmp_path / "compiled/rope-seed0")
+    assert [s for s, _ in compiled] == [s for s, _ in eager] == [1, 2, 3, 4]
+    # inductor fuses and reorders fp32 reductions: equal to fp32 rounding, not bitwise
+    torch.testing.assert_close(torch.tensor([v for _, v in compiled]),
+                               torch.tensor([v for _, v in eager]), rtol=1e-4, atol=0)
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path / "compiled/rope-seed0"))
+    assert not any("_orig_mod" in k for k in ckpt["model"])  # compiled in place: clean keys
+    assert ckpt["config"]["train"]["compile"] is True
