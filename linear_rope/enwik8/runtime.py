@@ -83,7 +83,7 @@ def choose_threads(requested: int | None, device: torch.device) -> tuple[int, st
     idle at start (at least one). torch's default is one per core, busy or not: beside one
     busy-looping process on 2 cores, 2 OpenMP threads make every parallel region wait for the
     thread that shares a core with the neighbour (and spin meanwhile), and a ``cpu``-preset
-    step took 2.8-3.4x its time alone; with 1 thread it takes 1.3-1.5x (benchmarks/busy_neighbour.py).
+    step took 2.8-3.5x its time alone; with 1 thread it takes 1.3-1.5x (README, "A fair share").
     """
     if requested:
         torch.set_num_threads(requested)
