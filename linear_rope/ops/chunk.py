@@ -35,146 +35,219 @@ __all__ = ["rotary_linear_attention", "CHUNK", "BLOCK", "use_compile"]
 
 CHUNK = 64
 BLOCK = 256  # tokens per block: small blocks stay in cache (measured best of 64..4096 on 2-core EPYC)
+# FAVOR+ features are kept from the forward for the backward up to this size (both q and k),
+# and recomputed block by block above it (the memory stays O(block) at any length).
+KEEP_FEATURES_BYTES = 512 << 20
 
 
-def _features(x, wq, wk, scale, is_query):
-    """x `[BH, T, d]` -> (phi `[BH, T, m]`, x * scale).
+def _cm(x, C):
+    """`[BH, t, x]` -> `[nc, BH, C, x]`, chunk-major (a view; ``.contiguous()`` copies it).
 
-    The shifts ride in the projection GEMM as extra input columns: queries
-    ``[x', 1] @ [w, c]^T = w.x' + c`` (then minus the row max), keys
-    ``[x', -|x'|^2/2, 1] @ [w, 1, -c]^T = w.x' - |x'|^2/2 - c``.
+    Chunk-major makes every per-chunk batch one contiguous run: the chunk states of a block
+    are written by one bmm straight into a buffer with a slot in front for the state before
+    the block, and the prefix sums over chunks run in place over whole slabs.
     """
-    xs = x * scale
-    one = torch.ones_like(xs[..., :1])
+    BH, t, n = x.shape
+    return x.view(BH, t // C, C, n).transpose(0, 1)
+
+
+def _phi(xc, w_aug, scale, is_query, kmc, out=None):
+    """xc `[nc, BH, C, d]` chunk-major view -> (phi `[nc, BH, C, m]` (into ``out`` if given),
+    x * scale `[nc, BH, C, d]`)."""
+    nc, BH, C, d = xc.shape
+    xa = xc.new_empty(nc, BH, C, d + (1 if is_query else 2))
+    xs = torch.mul(xc, scale, out=xa[..., :d])
     if is_query:
-        a = torch.cat((xs, one), dim=-1) @ wq.t()
-        a -= a.amax(-1, keepdim=True)
+        xa[..., d] = 1.0
     else:
-        a = torch.cat((xs, (xs * xs).sum(-1, keepdim=True).mul_(-0.5), one), dim=-1) @ wk.t()
+        torch.sum(xs * xs, -1, out=xa[..., d]).mul_(-0.5)
+        xa[..., d + 1] = 1.0
+        if kmc is not None:  # masked keys: exp(-1e30 + ...) = 0 exactly, no extra pass over phi
+            xa[..., d].sub_(kmc.eq(0).to(xa.dtype), alpha=1e30)
+    a = torch.matmul(xa, w_aug.t(), out=out)  # (nc, BH, C, m)
+    if is_query:
+        a -= a.amax(-1, keepdim=True)
     return a.exp_(), xs
 
 
-def _featurize(q, k, km, w, wq, wk, scale):
-    """Block features: FAVOR+ of q, k when ``w`` is given, else q and k are the features.
-    Masked keys (``km`` `[BH, t]` of 0/1) get zero features."""
+def _featurize(xq, xk, kmc, w, wq, wk, scale, keep=None, kept=None):
+    """Chunk-major block features: FAVOR+ of q, k when ``w`` is given, else q and k are the
+    features. Masked keys (``kmc`` `[nc, BH, C]` of 0/1) get zero features. ``keep``: buffers
+    the forward writes them into for the backward; ``kept``: those buffers, in the backward."""
     if w is None:
-        phq, phk, xks = q, k, None
-    else:
-        phq, _ = _features(q, wq, wk, scale, True)
-        phk, xks = _features(k, wq, wk, scale, False)
-    if km is not None:
-        phk = phk * km.unsqueeze(-1)
+        phk = xk if kmc is None else xk * kmc.unsqueeze(-1)
+        return xq.contiguous(), phk.contiguous(), None
+    if kept is not None:
+        return kept[0], kept[1], xk * scale
+    phq, _ = _phi(xq, wq, scale, True, None, None if keep is None else keep[0])
+    phk, xks = _phi(xk, wk, scale, False, kmc, None if keep is None else keep[1])
     return phq, phk, xks
 
 
 def _rotate(phi, rot):
-    """Interleaved pairs of phi `[BH, T, m]` times the complex table rot `[T, m/2]` (shared) or
-    `[B, T, m/2]` (per row).
+    """Interleaved pairs of phi `[nc, BH, C, m]` times the complex table rot `[nc, 1, C, m/2]`
+    (shared by the rows) or `[nc, B, 1, C, m/2]` (per row).
 
     Eager: one complex multiplication (4x faster than strided real arithmetic). Under
     torch.compile, which has no complex codegen, the real form that Inductor fuses into one loop.
     """
-    BH, T, m = phi.shape
-    if rot.dim() == 3:
-        shape, rot = (rot.shape[0], BH // rot.shape[0], T, m // 2), rot[:, None]
-    else:
-        shape = (BH, T, m // 2)
+    nc, BH, C, m = phi.shape
+    shape = (nc, rot.shape[1], BH // rot.shape[1], C, m // 2) if rot.dim() == 5 else (nc, BH, C, m // 2)
     if torch.compiler.is_compiling():
         x = phi.view(*shape, 2)
         x1, x2, cos, sin = x[..., 0], x[..., 1], rot.real, rot.imag
-        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).view(BH, T, m)
-    return torch.view_as_real(torch.view_as_complex(phi.view(*shape, 2)) * rot).view(BH, T, m)
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).view(nc, BH, C, m)
+    return torch.view_as_real(torch.view_as_complex(phi.view(*shape, 2)) * rot).view(nc, BH, C, m)
 
 
-def _chunks(t, C):
-    """`[BH, T, x]` -> `[BH * T/C, C, x]` (batched over chunks for bmm)."""
-    BH, T, x = t.shape
-    return t.reshape(BH * (T // C), C, x)
+def _b(t):
+    """`[nc, BH, C, x]` -> `[nc*BH, C, x]`: one batch entry per (chunk, row) for bmm."""
+    return t.view(-1, *t.shape[-2:])
 
 
-def _excl_cumsum(x, start):
-    """x `[BH, nc, ...]`: prefix sums before each chunk, starting from ``start``; and the total.
+def _prefix_(buf):
+    """In place: buf[c] = buf[0] + ... + buf[c] over dim 0 (buf[0] the state before the block).
 
-    Built by shifting an inclusive sum, never as ``inclusive - x``: the subtraction would let
-    round-off of a chunk's later tokens reach its earlier ones (about 1e-15 in float64).
+    Then buf[c] is the state before chunk c and buf[-1] the state after the block. Only
+    additions, never ``inclusive - x``: round-off of a later chunk cannot reach an earlier one.
     """
-    inc = x.cumsum(1).add_(start.unsqueeze(1))
-    return torch.cat((start.unsqueeze(1), inc[:, :-1]), dim=1), inc[:, -1]
+    for c in range(1, buf.shape[0]):
+        buf[c] += buf[c - 1]
+    return buf
 
 
-def _excl_suffix(x, end):
-    """x `[BH, nc, ...]`: sums after each chunk, plus ``end``; and the total."""
-    total = x.sum(1) + end
-    return x.cumsum(1).neg_().add_(total.unsqueeze(1)), total
+def _suffix_(buf):
+    """In place: buf[c] = buf[c] + ... + buf[-1] (buf[-1] the sums after the block)."""
+    for c in range(buf.shape[0] - 2, -1, -1):
+        buf[c] += buf[c + 1]
+    return buf
 
 
-def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int):
-    """One block: q, k `[BH, t, d or m]`, v `[BH, t, e]`, state S `[BH, m, e]`, z `[BH, m]` before it.
+def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep=None):
+    """One block: q, k `[BH, t, d or m]`, v `[BH, t, e]`, state S `[BH, m, e]`, z `[BH, m]` before it,
+    km `[BH, t]` 0/1 or None, rot chunk-major (see ``_rotate``) or None.
 
-    Returns the block's output `[BH, t, e]`, denominator `[BH, t]` and the state after it.
+    Returns the block's output and denominator, chunk-major `[nc, BH, C, e]` / `[nc, BH, C]`,
+    and the state after it.
+
+    Without rotation (Eq. 18) the denominator rides in the numerator's GEMMs: v gets a column
+    of ones and S the column z. With rotation the numerator uses R phi, the denominator phi,
+    so the denominator has GEMMs of its own.
     """
     BH, t, e = v.shape
     m, nc = S.shape[1], t // C
-    phq, phk, _ = _featurize(q, k, km, w, wq, wk, scale)
-    fq, fk = _chunks(phq, C), _chunks(phk, C)  # unrotated, (BH*nc, C, m)
-    zx, z = _excl_cumsum(fk.sum(1).view(BH, nc, m), z)
-    den = torch.bmm(fq, zx.view(-1, m, 1)).squeeze(-1).add_(torch.bmm(fq, fk.transpose(1, 2)).tril_().sum(-1))
-    if rot is not None:
-        rq, rk = _chunks(_rotate(phq, rot), C), _chunks(_rotate(phk, rot), C)
+    kmc = None if km is None else _cm(km.unsqueeze(-1), C).squeeze(-1)  # (nc, BH, C)
+    phq, phk, _ = _featurize(_cm(q, C), _cm(k, C), kmc, w, wq, wk, scale, keep)  # (nc, BH, C, m)
+    if rot is None:
+        va = v.new_empty(nc, BH, C, e + 1)
+        va[..., :e] = _cm(v, C)
+        va[..., e] = 1.0
+        Sb = v.new_empty(nc + 1, BH, m, e + 1)  # [S | z] before each chunk, then after the block
+        Sb[0, ..., :e], Sb[0, ..., e] = S, z
+        torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
+        _prefix_(Sb)
+        A = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
+        numa = torch.bmm(_b(phq), _b(Sb[:nc])).baddbmm_(A, _b(va)).view(nc, BH, C, e + 1)
+        num, den = numa[..., :e], numa[..., e]
+        S, z = Sb[nc, ..., :e], Sb[nc, ..., e]
     else:
-        rq, rk = fq, fk
-    vb = _chunks(v, C)
-    Sx, S = _excl_cumsum(torch.bmm(rk.transpose(1, 2), vb).view(BH, nc, m, e), S)
-    num = torch.bmm(rq, Sx.view(-1, m, e)).baddbmm_(torch.bmm(rq, rk.transpose(1, 2)).tril_(), vb)
+        vc = _cm(v, C).contiguous()
+        rq, rk = _rotate(phq, rot), _rotate(phk, rot)
+        Sb = v.new_empty(nc + 1, BH, m, e)
+        Sb[0] = S
+        torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
+        _prefix_(Sb)
+        zb = v.new_empty(nc + 1, BH, m)
+        zb[0] = z
+        torch.sum(phk, 2, out=zb[1:])
+        _prefix_(zb)
+        A = torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
+        num = torch.bmm(_b(rq), _b(Sb[:nc])).baddbmm_(A, _b(vc)).view(nc, BH, C, e)
+        Ad = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
+        den = torch.bmm(_b(phq), zb[:nc].reshape(-1, m, 1)).view(nc, BH, C).add_(Ad.sum(-1).view(nc, BH, C))
+        S, z = Sb[nc], zb[nc]
     # A query that sees no real key (left padding) has num = den = 0: the guard gives 0.
-    den = den.view(BH, t).clamp_min_(torch.finfo(den.dtype).tiny)
-    out = num.view(BH, t, e) / den.unsqueeze(-1)
-    if km is not None:
-        out *= km.unsqueeze(-1)
-    return out, den, S, z
+    den = den.clamp_min(torch.finfo(den.dtype).tiny)
+    out = num / den.unsqueeze(-1)
+    if kmc is not None:
+        out *= kmc.unsqueeze(-1)
+    return out, den, S.clone(), z.clone()
 
 
-def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, z0, G, Zq, C: int):
+def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, z0, G, Zq, C: int, kept=None):
     """Gradients of one block, given the state before it (S0, z0) and the suffix sums after it
-    (G = sum rq dnum^T, Zq = sum dden phi(q)). Returns dq, dk, dv and the suffix sums before it."""
+    (G = sum rq dnum^T, Zq = sum dden phi(q)). g, out `[BH, t, e]`, den chunk-major `[nc, BH, C]`.
+    Returns dq, dk, dv chunk-major and the suffix sums before the block."""
     BH, t, e = v.shape
     m, nc = S0.shape[1], t // C
-    if km is not None:
-        g = g * km.unsqueeze(-1)
-    dnum = g / den.unsqueeze(-1)  # (BH, t, e)
-    dden = (g * out).sum(-1).div_(den).neg_()  # (BH, t)
-    phq, phk, xks = _featurize(q, k, km, w, wq, wk, scale)
-    fq, fk = _chunks(phq, C), _chunks(phk, C)
-    # denominator den_n = phq_n . (z0 + sum_{j <= n} phk_j), chunked
-    Md = dden.view(-1, C, 1).expand(-1, C, C).tril()  # Md[n, j] = dden_n for j <= n
-    zx, _ = _excl_cumsum(fk.sum(1).view(BH, nc, m), z0)
-    Zx, Zq = _excl_suffix(torch.bmm(dden.view(-1, 1, C), fq).view(BH, nc, m), Zq)
-    dfq = torch.bmm(Md, fk).addcmul_(dden.view(-1, C, 1), zx.view(-1, 1, m))
-    dfk = torch.bmm(Md.transpose(1, 2), fq).add_(Zx.view(-1, 1, m))
-    # numerator: chunked linear attention on the rotated features
-    if rot is not None:
-        rq, rk = _chunks(_rotate(phq, rot), C), _chunks(_rotate(phk, rot), C)
+    kmc = None if km is None else _cm(km.unsqueeze(-1), C).squeeze(-1)
+    gc = _cm(g, C)
+    if kmc is not None:
+        gc = gc * kmc.unsqueeze(-1)
+    dnum = gc / den.unsqueeze(-1)  # (nc, BH, C, e)
+    dden = (gc * _cm(out, C)).sum(-1).div_(den).neg_().contiguous()  # (nc, BH, C)
+    phq, phk, xks = _featurize(_cm(q, C), _cm(k, C), kmc, w, wq, wk, scale, kept=kept)
+    if rot is None:  # Eq. 18: the denominator is the ones column of v, as in the forward
+        va = v.new_empty(nc, BH, C, e + 1)
+        va[..., :e] = _cm(v, C)
+        va[..., e] = 1.0
+        dna = torch.cat((dnum, dden.unsqueeze(-1)), -1)  # (nc, BH, C, e+1)
+        Sb = v.new_empty(nc + 1, BH, m, e + 1)
+        Sb[0, ..., :e], Sb[0, ..., e] = S0, z0
+        torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
+        _prefix_(Sb)
+        Gb = v.new_empty(nc + 1, BH, m, e + 1)  # suffix sums after each chunk: G[c+1]
+        Gb[nc, ..., :e], Gb[nc, ..., e] = G, Zq
+        torch.bmm(_b(phq).transpose(1, 2), _b(dna), out=_b(Gb[:nc]))
+        _suffix_(Gb)
+        P = torch.bmm(_b(dna), _b(va).transpose(1, 2)).tril_()  # P[n, j] = dna_n . va_j, j <= n
+        A = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
+        dphq = torch.bmm(_b(dna), _b(Sb[:nc]).transpose(1, 2)).baddbmm_(P, _b(phk))
+        dphk = torch.bmm(_b(va), _b(Gb[1:]).transpose(1, 2)).baddbmm_(P.transpose(1, 2), _b(phq))
+        dv = torch.bmm(_b(phk), _b(Gb[1:, ..., :e])).baddbmm_(A.transpose(1, 2), _b(dnum.contiguous()))
+        G, Zq = Gb[0, ..., :e], Gb[0, ..., e]
     else:
-        rq, rk = fq, fk
-    vb, dnb = _chunks(v, C), _chunks(dnum, C)
-    Sx, _ = _excl_cumsum(torch.bmm(rk.transpose(1, 2), vb).view(BH, nc, m, e), S0)
-    Gx, G = _excl_suffix(torch.bmm(rq.transpose(1, 2), dnb).view(BH, nc, m, e), G)
-    Sx, Gx = Sx.view(-1, m, e), Gx.view(-1, m, e)
-    P = torch.bmm(dnb, vb.transpose(1, 2)).tril_()  # P[n, j] = dnum_n . v_j, j <= n
-    A = torch.bmm(rq, rk.transpose(1, 2)).tril_()
-    drq = torch.bmm(dnb, Sx.transpose(1, 2)).baddbmm_(P, rk).view(BH, t, m)
-    drk = torch.bmm(vb, Gx.transpose(1, 2)).baddbmm_(P.transpose(1, 2), rq).view(BH, t, m)
-    dv = torch.bmm(rk, Gx).baddbmm_(A.transpose(1, 2), dnb).view(BH, t, e)
-    if rot is not None:
-        drq, drk = _rotate(drq, rot.conj()), _rotate(drk, rot.conj())
-    dphq, dphk = dfq.view(BH, t, m).add_(drq), dfk.view(BH, t, m).add_(drk)
+        vc = _cm(v, C).contiguous()
+        # denominator den_n = phq_n . (z0 + sum_{j <= n} phk_j), chunked
+        zb = v.new_empty(nc + 1, BH, m)
+        zb[0] = z0
+        torch.sum(phk, 2, out=zb[1:])
+        _prefix_(zb)
+        Zb = v.new_empty(nc + 1, BH, m)
+        Zb[nc] = Zq
+        torch.bmm(dden.view(-1, 1, C), _b(phq), out=Zb[:nc].view(-1, 1, m))
+        _suffix_(Zb)
+        Md = dden.view(-1, C, 1).expand(-1, C, C).tril()  # Md[n, j] = dden_n for j <= n
+        dfq = torch.bmm(Md, _b(phk)).addcmul_(dden.view(-1, C, 1), zb[:nc].reshape(-1, 1, m))
+        dfk = torch.bmm(Md.transpose(1, 2), _b(phq)).add_(Zb[1:].reshape(-1, 1, m))
+        # numerator: chunked linear attention on the rotated features
+        rq, rk = _rotate(phq, rot), _rotate(phk, rot)
+        Sb = v.new_empty(nc + 1, BH, m, e)
+        Sb[0] = S0
+        torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
+        _prefix_(Sb)
+        dnum = dnum.contiguous()
+        Gb = v.new_empty(nc + 1, BH, m, e)
+        Gb[nc] = G
+        torch.bmm(_b(rq).transpose(1, 2), _b(dnum), out=_b(Gb[:nc]))
+        _suffix_(Gb)
+        P = torch.bmm(_b(dnum), _b(vc).transpose(1, 2)).tril_()  # P[n, j] = dnum_n . v_j, j <= n
+        A = torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
+        drq = torch.bmm(_b(dnum), _b(Sb[:nc]).transpose(1, 2)).baddbmm_(P, _b(rk))
+        drk = torch.bmm(_b(vc), _b(Gb[1:]).transpose(1, 2)).baddbmm_(P.transpose(1, 2), _b(rq))
+        dv = torch.bmm(_b(rk), _b(Gb[1:])).baddbmm_(A.transpose(1, 2), _b(dnum))
+        conj = rot.conj()
+        drq, drk = _rotate(drq.view(nc, BH, C, m), conj), _rotate(drk.view(nc, BH, C, m), conj)
+        dphq, dphk = dfq.view(nc, BH, C, m).add_(drq), dfk.view(nc, BH, C, m).add_(drk)
+        G, Zq = Gb[0], Zb[0]
+    dphq, dphk, dv = dphq.view(nc, BH, C, m), dphk.view(nc, BH, C, m), dv.view(nc, BH, C, e)
     if w is None:  # q and k were the features
-        return dphq, (dphk if km is None else dphk.mul_(km.unsqueeze(-1))), dv, G, Zq
+        return dphq, (dphk if kmc is None else dphk.mul_(kmc.unsqueeze(-1))), dv, G.clone(), Zq.clone()
     # phi = exp(a), so da = dphi * phi (masked keys have phi = 0); then back through the GEMM
     da, db = dphq.mul_(phq), dphk.mul_(phk)
     dq = (da @ w).mul_(scale)
     dk = (db @ w).sub_(xks * db.sum(-1, keepdim=True)).mul_(scale)
-    return dq, dk, dv, G, Zq
+    return dq, dk, dv, G.clone(), Zq.clone()
 
 
 _compiled: dict = {}
@@ -190,10 +263,16 @@ def use_compile(enabled: bool = True) -> None:
         _compiled["backward"] = torch.compile(_block_backward, dynamic=False)
 
 
-def _block_rot(rot, sl):
+def _block_rot(rot, sl, C):
+    """The block's slice of the rotation table, chunk-major: `[nc, 1, C, m/2]` or `[nc, B, 1, C, m/2]`."""
     if rot is None:
         return None
-    return rot[sl] if rot.dim() == 2 else rot[:, sl]
+    if rot.dim() == 2:
+        r = rot[sl]
+        return r.view(-1, 1, C, r.shape[-1])
+    r = rot[:, sl]
+    B, t, h = r.shape
+    return r.view(B, t // C, C, h).transpose(0, 1).unsqueeze(2)
 
 
 class _ChunkCausal(torch.autograd.Function):
@@ -205,16 +284,23 @@ class _ChunkCausal(torch.autograd.Function):
             BH, N, e = v.shape
             fwd = _compiled.get("forward", _block_forward)
             out = torch.empty_like(v)
-            den = torch.empty(BH, N, dtype=v.dtype, device=v.device)
+            den = v.new_empty(N // C, BH, C)
+            m = S0.shape[1]
+            # FAVOR+ features kept for the backward when they fit the budget, else recomputed
+            keep = w is not None and 2 * N * BH * m * v.element_size() <= KEEP_FEATURES_BYTES
+            feats = v.new_empty(2, N // C, BH, C, m) if keep else None
             S, z = S0, z0
             starts_S, starts_z = [], []
             for b0 in range(0, N, T):
                 sl = slice(b0, min(b0 + T, N))
+                cs = slice(b0 // C, sl.stop // C)
                 starts_S.append(S), starts_z.append(z)
                 kb = None if km is None else km[:, sl]
-                out[:, sl], den[:, sl], S, z = fwd(q[:, sl], k[:, sl], v[:, sl], kb, w, wq, wk, scale,
-                                                   _block_rot(rot, sl), S, z, C)
-            ctx.save_for_backward(q, k, v, km, w, wq, wk, rot, out, den, torch.stack(starts_S), torch.stack(starts_z))
+                o, den[cs], S, z = fwd(q[:, sl], k[:, sl], v[:, sl], kb, w, wq, wk, scale, _block_rot(rot, sl, C),
+                                       S, z, C, None if feats is None else (feats[0, cs], feats[1, cs]))
+                _cm(out[:, sl], C).copy_(o)
+            ctx.save_for_backward(q, k, v, km, w, wq, wk, rot, out, den, torch.stack(starts_S), torch.stack(starts_z),
+                                  feats)
             ctx.scale, ctx.C, ctx.T = scale, C, T
             return out, S, z
 
@@ -222,21 +308,24 @@ class _ChunkCausal(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g, gS, gz):
         with torch.autocast(g.device.type, enabled=False):
-            q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z = ctx.saved_tensors
+            q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z, feats = ctx.saved_tensors
             scale, C, T = ctx.scale, ctx.C, ctx.T
             BH, N, e = v.shape
             bwd = _compiled.get("backward", _block_backward)
-            g = g.to(v.dtype).contiguous()
+            g = g.to(v.dtype)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             # suffix sums after the last block: the gradient of the final state
             G, Zq = gS.to(v.dtype).clone(), gz.to(v.dtype).clone()
             for i, b0 in reversed(list(enumerate(range(0, N, T)))):
                 sl = slice(b0, min(b0 + T, N))
+                cs = slice(b0 // C, sl.stop // C)
                 kb = None if km is None else km[:, sl]
-                dq[:, sl], dk[:, sl], dv[:, sl], G, Zq = bwd(
-                    q[:, sl], k[:, sl], v[:, sl], kb, g[:, sl], out[:, sl], den[:, sl], w, wq, wk, scale,
-                    _block_rot(rot, sl), starts_S[i], starts_z[i], G, Zq, C,
+                a, b, c, G, Zq = bwd(
+                    q[:, sl], k[:, sl], v[:, sl], kb, g[:, sl], out[:, sl], den[cs], w, wq, wk, scale,
+                    _block_rot(rot, sl, C), starts_S[i], starts_z[i], G, Zq, C,
+                    None if feats is None else (feats[0, cs], feats[1, cs]),
                 )
+                _cm(dq[:, sl], C).copy_(a), _cm(dk[:, sl], C).copy_(b), _cm(dv[:, sl], C).copy_(c)
             return dq, dk, dv, G, Zq, None, None, None, None, None, None, None, None
 
 
