@@ -3,21 +3,26 @@
 ``rotary_linear_attention`` is the public op. It computes what ``naive.py`` writes out, with
 O(N) time and memory:
 
-* **Causal.** The sequence is walked in blocks of ``block_size`` tokens. Within a block,
-  chunks of C tokens run as batched GEMMs: a masked `[C, C]` product inside each chunk plus an
-  `[m, e]` state from the chunks before, for the rotated numerator and for the unrotated
-  denominator alike. The state ``(S, z)`` goes from block to block (it starts from
-  ``initial_state`` and is returned as the final state). No `[N, m]` tensor is saved for the
-  backward pass: features are recomputed per block from q and k. Backward walks the blocks in
-  reverse, carrying the suffix sums ``G = sum rq dnum^T`` and ``Zq = sum dden phi(q)``, which
-  are also the gradients of the initial state.
+* **Causal, chunk form.** The sequence is walked in blocks of ``block_size`` tokens (small
+  enough to stay in cache). A block is laid out chunk-major, `[nc, BH, C, x]`, and every step is
+  one batched GEMM over all its chunks and rows at once: the masked `[C, C]` products inside
+  each chunk, the per-chunk states ``rk^T v`` (written by one bmm straight into a buffer whose
+  slot 0 is the state before the block), their prefix sums (in place, additions only), and
+  ``rq @ S`` for every chunk. The backward has the same shape, with suffix sums ``G = sum
+  rq dnum^T`` and ``Zq = sum dden phi(q)`` that are also the gradients of the initial state.
+* **Denominator.** Eq. 18 (no rotation): a column of ones on v and the column z on S, so the
+  numerator's GEMMs give it for free. Eq. 19: phi(q) . (z + sum phi(k)), GEMMs of its own.
 * **FAVOR+ inside** (``projection``): the stabiliser shifts of ``features.favor_features`` are
-  folded into the projection GEMM (an ``addmm`` with extra input columns); RoPE is one complex
-  multiplication per tensor. Their gradient ignores the shifts, which cancel in the ratio.
+  folded into the projection GEMM (extra input columns); a masked key's ``-|k|^2/2`` column
+  holds -1e30, so its features are exactly 0 out of the same exp. The features are kept for
+  the backward while both fit ``KEEP_FEATURES_BYTES``, and recomputed per block above that.
+  RoPE is one complex multiplication per tensor. Their gradient ignores the shifts, which
+  cancel in the ratio.
 * **Bidirectional**: ``R_t phi(q_t) . (sum_n R_n phi(k_n) v_n^T) / phi(q_t) . sum_n phi(k_n)``.
 * **Keywords.** ``mask`` zeroes masked keys' features (so they add to neither sum) and masked
-  queries' outputs; positions count real tokens only. ``cu_seqlens`` runs each packed document
-  as its own sequence (positions and state restart), one call per document.
+  queries' outputs; positions count real tokens only. ``cu_seqlens`` (causal) runs all packed
+  documents in one call: each is padded to whole chunks, and the prefix / suffix sums restart
+  at its first chunk from its own initial state.
 
 Inside, everything is float32 or wider with autocast off; the result has v's dtype.
 """
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..features import favor_features, pair_shift
-from ..rotary import rotary_tables, rotate_with_tables, table_dtype, token_positions
+from ..rotary import packed_positions, rotary_tables, rotate_with_tables, table_dtype, token_positions
 from .utils import LinearAttentionState, check_args
 
 __all__ = ["rotary_linear_attention", "CHUNK", "BLOCK", "use_compile"]
@@ -105,30 +110,47 @@ def _b(t):
     return t.view(-1, *t.shape[-2:])
 
 
-def _prefix_(buf):
+def _prefix_(buf, resets=None):
     """In place: buf[c] = buf[0] + ... + buf[c] over dim 0 (buf[0] the state before the block).
 
     Then buf[c] is the state before chunk c and buf[-1] the state after the block. Only
     additions, never ``inclusive - x``: round-off of a later chunk cannot reach an earlier one.
+    ``resets`` {c: state}: chunk c starts a packed document, whose state starts afresh; returns
+    {c: the state after the document that ends before chunk c}.
     """
+    ends = {}
     for c in range(1, buf.shape[0]):
-        buf[c] += buf[c - 1]
-    return buf
+        if resets and c in resets:
+            ends[c] = buf[c - 1] + buf[c]
+            buf[c] = resets[c]
+        else:
+            buf[c] += buf[c - 1]
+    return ends
 
 
-def _suffix_(buf):
-    """In place: buf[c] = buf[c] + ... + buf[-1] (buf[-1] the sums after the block)."""
+def _suffix_(buf, resets=None):
+    """In place: buf[c] = buf[c] + ... + buf[-1] (buf[-1] the sums after the block).
+
+    ``resets`` {c: sums}: chunk c starts a packed document; the sums after chunk c - 1 are then
+    ``sums`` (the gradient of the previous document's final state). Returns {c: the sums from
+    chunk c on} (the gradient of that document's initial state).
+    """
+    starts = {}
     for c in range(buf.shape[0] - 2, -1, -1):
+        if resets and c + 1 in resets:
+            starts[c + 1] = buf[c + 1].clone()
+            buf[c + 1] = resets[c + 1]
         buf[c] += buf[c + 1]
-    return buf
+    return starts
 
 
-def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep=None):
+def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep=None, resets=None):
     """One block: q, k `[BH, t, d or m]`, v `[BH, t, e]`, state S `[BH, m, e]`, z `[BH, m]` before it,
     km `[BH, t]` 0/1 or None, rot chunk-major (see ``_rotate``) or None.
 
     Returns the block's output and denominator, chunk-major `[nc, BH, C, e]` / `[nc, BH, C]`,
-    and the state after it.
+    the state after it, and {c: (S, z)} after each packed document that ends inside it
+    (``resets`` {c: (S0, z0)}: the documents that start at its chunks c >= 1).
 
     Without rotation (Eq. 18) the denominator rides in the numerator's GEMMs: v gets a column
     of ones and S the column z. With rotation the numerator uses R phi, the denominator phi,
@@ -145,7 +167,8 @@ def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep
         Sb = v.new_empty(nc + 1, BH, m, e + 1)  # [S | z] before each chunk, then after the block
         Sb[0, ..., :e], Sb[0, ..., e] = S, z
         torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
-        _prefix_(Sb)
+        ends = _prefix_(Sb, resets and {c: torch.cat((a, b.unsqueeze(-1)), -1) for c, (a, b) in resets.items()})
+        ends = {c: (t[..., :e], t[..., e]) for c, t in ends.items()}
         A = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
         numa = torch.bmm(_b(phq), _b(Sb[:nc])).baddbmm_(A, _b(va)).view(nc, BH, C, e + 1)
         num, den = numa[..., :e], numa[..., e]
@@ -156,11 +179,12 @@ def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep
         Sb = v.new_empty(nc + 1, BH, m, e)
         Sb[0] = S
         torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
-        _prefix_(Sb)
+        ends_S = _prefix_(Sb, resets and {c: a for c, (a, _) in resets.items()})
         zb = v.new_empty(nc + 1, BH, m)
         zb[0] = z
         torch.sum(phk, 2, out=zb[1:])
-        _prefix_(zb)
+        ends_z = _prefix_(zb, resets and {c: b for c, (_, b) in resets.items()})
+        ends = {c: (ends_S[c], ends_z[c]) for c in ends_S}
         A = torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
         num = torch.bmm(_b(rq), _b(Sb[:nc])).baddbmm_(A, _b(vc)).view(nc, BH, C, e)
         Ad = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
@@ -171,13 +195,16 @@ def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep
     out = num / den.unsqueeze(-1)
     if kmc is not None:
         out *= kmc.unsqueeze(-1)
-    return out, den, S.clone(), z.clone()
+    return out, den, S.clone(), z.clone(), ends
 
 
-def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, z0, G, Zq, C: int, kept=None):
+def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, z0, G, Zq, C: int, kept=None,
+                    resets=None):
     """Gradients of one block, given the state before it (S0, z0) and the suffix sums after it
     (G = sum rq dnum^T, Zq = sum dden phi(q)). g, out `[BH, t, e]`, den chunk-major `[nc, BH, C]`.
-    Returns dq, dk, dv chunk-major and the suffix sums before the block."""
+    ``resets`` {c: ((S0, z0), (gS, gz))}: packed documents starting at chunks c >= 1, with their
+    initial states and the gradients of the final states of the documents before them.
+    Returns dq, dk, dv chunk-major, the suffix sums before the block, and {c: (dS0, dz0)}."""
     BH, t, e = v.shape
     m, nc = S0.shape[1], t // C
     kmc = None if km is None else _cm(km.unsqueeze(-1), C).squeeze(-1)
@@ -195,11 +222,13 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
         Sb = v.new_empty(nc + 1, BH, m, e + 1)
         Sb[0, ..., :e], Sb[0, ..., e] = S0, z0
         torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
-        _prefix_(Sb)
+        cat = lambda a, b: torch.cat((a, b.unsqueeze(-1)), -1)  # noqa: E731
+        _prefix_(Sb, resets and {c: cat(*s0) for c, (s0, _) in resets.items()})
         Gb = v.new_empty(nc + 1, BH, m, e + 1)  # suffix sums after each chunk: G[c+1]
         Gb[nc, ..., :e], Gb[nc, ..., e] = G, Zq
         torch.bmm(_b(phq).transpose(1, 2), _b(dna), out=_b(Gb[:nc]))
-        _suffix_(Gb)
+        starts = _suffix_(Gb, resets and {c: cat(*gs) for c, (_, gs) in resets.items()})
+        starts = {c: (t[..., :e], t[..., e]) for c, t in starts.items()}
         P = torch.bmm(_b(dna), _b(va).transpose(1, 2)).tril_()  # P[n, j] = dna_n . va_j, j <= n
         A = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
         dphq = torch.bmm(_b(dna), _b(Sb[:nc]).transpose(1, 2)).baddbmm_(P, _b(phk))
@@ -212,11 +241,11 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
         zb = v.new_empty(nc + 1, BH, m)
         zb[0] = z0
         torch.sum(phk, 2, out=zb[1:])
-        _prefix_(zb)
+        _prefix_(zb, resets and {c: s0[1] for c, (s0, _) in resets.items()})
         Zb = v.new_empty(nc + 1, BH, m)
         Zb[nc] = Zq
         torch.bmm(dden.view(-1, 1, C), _b(phq), out=Zb[:nc].view(-1, 1, m))
-        _suffix_(Zb)
+        starts_z = _suffix_(Zb, resets and {c: gs[1] for c, (_, gs) in resets.items()})
         Md = dden.view(-1, C, 1).expand(-1, C, C).tril()  # Md[n, j] = dden_n for j <= n
         dfq = torch.bmm(Md, _b(phk)).addcmul_(dden.view(-1, C, 1), zb[:nc].reshape(-1, 1, m))
         dfk = torch.bmm(Md.transpose(1, 2), _b(phq)).add_(Zb[1:].reshape(-1, 1, m))
@@ -225,12 +254,13 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
         Sb = v.new_empty(nc + 1, BH, m, e)
         Sb[0] = S0
         torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
-        _prefix_(Sb)
+        _prefix_(Sb, resets and {c: s0[0] for c, (s0, _) in resets.items()})
         dnum = dnum.contiguous()
         Gb = v.new_empty(nc + 1, BH, m, e)
         Gb[nc] = G
         torch.bmm(_b(rq).transpose(1, 2), _b(dnum), out=_b(Gb[:nc]))
-        _suffix_(Gb)
+        starts = _suffix_(Gb, resets and {c: gs[0] for c, (_, gs) in resets.items()})
+        starts = {c: (starts[c], starts_z[c]) for c in starts}
         P = torch.bmm(_b(dnum), _b(vc).transpose(1, 2)).tril_()  # P[n, j] = dnum_n . v_j, j <= n
         A = torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
         drq = torch.bmm(_b(dnum), _b(Sb[:nc]).transpose(1, 2)).baddbmm_(P, _b(rk))
@@ -242,12 +272,12 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
         G, Zq = Gb[0], Zb[0]
     dphq, dphk, dv = dphq.view(nc, BH, C, m), dphk.view(nc, BH, C, m), dv.view(nc, BH, C, e)
     if w is None:  # q and k were the features
-        return dphq, (dphk if kmc is None else dphk.mul_(kmc.unsqueeze(-1))), dv, G.clone(), Zq.clone()
+        return dphq, (dphk if kmc is None else dphk.mul_(kmc.unsqueeze(-1))), dv, G.clone(), Zq.clone(), starts
     # phi = exp(a), so da = dphi * phi (masked keys have phi = 0); then back through the GEMM
     da, db = dphq.mul_(phq), dphk.mul_(phk)
     dq = (da @ w).mul_(scale)
     dk = (db @ w).sub_(xks * db.sum(-1, keepdim=True)).mul_(scale)
-    return dq, dk, dv, G.clone(), Zq.clone()
+    return dq, dk, dv, G.clone(), Zq.clone(), starts
 
 
 _compiled: dict = {}
@@ -276,85 +306,139 @@ def _block_rot(rot, sl, C):
 
 
 class _ChunkCausal(torch.autograd.Function):
-    """(q, k, v, S0, z0) -> (out, S, z): causal Eq. 19 from the state (S0, z0), blockwise."""
+    """(q, k, v, S0, z0) -> (out, S, z): causal Eq. 19 from the states (S0, z0), blockwise.
+
+    S0 `[D, BH, m, e]`, z0 `[D, BH, m]`: one initial state per packed document, which starts at
+    chunk ``starts[d]`` (``starts[0] = 0``; one document, D = 1, when nothing is packed). The
+    returned S, z are the states after each document, of the same shapes.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, S0, z0, km, w, wq, wk, scale, rot, C, T):
+    def forward(ctx, q, k, v, S0, z0, km, w, wq, wk, scale, rot, C, T, starts):
         with torch.autocast(v.device.type, enabled=False):  # the math stays in float32 or wider
             BH, N, e = v.shape
             fwd = _compiled.get("forward", _block_forward)
             out = torch.empty_like(v)
             den = v.new_empty(N // C, BH, C)
-            m = S0.shape[1]
+            m = S0.shape[2]
             # FAVOR+ features kept for the backward when they fit the budget, else recomputed
             keep = w is not None and 2 * N * BH * m * v.element_size() <= KEEP_FEATURES_BYTES
             feats = v.new_empty(2, N // C, BH, C, m) if keep else None
-            S, z = S0, z0
+            doc_at = {c: d for d, c in enumerate(starts)}
+            S_end, z_end = torch.empty_like(S0), torch.empty_like(z0)
+            S, z = S0[0], z0[0]
             starts_S, starts_z = [], []
             for b0 in range(0, N, T):
                 sl = slice(b0, min(b0 + T, N))
-                cs = slice(b0 // C, sl.stop // C)
+                c0, c1 = b0 // C, sl.stop // C
+                if c0 in doc_at and c0 > 0:  # a document starts with this block
+                    d = doc_at[c0]
+                    S_end[d - 1], z_end[d - 1] = S, z
+                    S, z = S0[d], z0[d]
                 starts_S.append(S), starts_z.append(z)
                 kb = None if km is None else km[:, sl]
-                o, den[cs], S, z = fwd(q[:, sl], k[:, sl], v[:, sl], kb, w, wq, wk, scale, _block_rot(rot, sl, C),
-                                       S, z, C, None if feats is None else (feats[0, cs], feats[1, cs]))
+                resets = {c - c0: (S0[d], z0[d]) for c, d in doc_at.items() if c0 < c < c1}
+                o, den[c0:c1], S, z, ends = fwd(
+                    q[:, sl], k[:, sl], v[:, sl], kb, w, wq, wk, scale, _block_rot(rot, sl, C), S, z, C,
+                    None if feats is None else (feats[0, c0:c1], feats[1, c0:c1]), resets or None)
+                for c, (Se, ze) in ends.items():
+                    S_end[doc_at[c0 + c] - 1], z_end[doc_at[c0 + c] - 1] = Se, ze
                 _cm(out[:, sl], C).copy_(o)
+            S_end[-1], z_end[-1] = S, z
             ctx.save_for_backward(q, k, v, km, w, wq, wk, rot, out, den, torch.stack(starts_S), torch.stack(starts_z),
-                                  feats)
-            ctx.scale, ctx.C, ctx.T = scale, C, T
-            return out, S, z
+                                  feats, S0, z0)
+            ctx.scale, ctx.C, ctx.T, ctx.starts = scale, C, T, starts
+            return out, S_end, z_end
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g, gS, gz):
         with torch.autocast(g.device.type, enabled=False):
-            q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z, feats = ctx.saved_tensors
+            q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z, feats, S0, z0 = ctx.saved_tensors
             scale, C, T = ctx.scale, ctx.C, ctx.T
+            doc_at = {c: d for d, c in enumerate(ctx.starts)}
             BH, N, e = v.shape
             bwd = _compiled.get("backward", _block_backward)
-            g = g.to(v.dtype)
+            g, gS, gz = g.to(v.dtype), gS.to(v.dtype), gz.to(v.dtype)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            # suffix sums after the last block: the gradient of the final state
-            G, Zq = gS.to(v.dtype).clone(), gz.to(v.dtype).clone()
+            dS0, dz0 = torch.empty_like(S0), torch.empty_like(z0)
+            # suffix sums after the last block: the gradient of the last document's final state
+            G, Zq = gS[-1].clone(), gz[-1].clone()
             for i, b0 in reversed(list(enumerate(range(0, N, T)))):
                 sl = slice(b0, min(b0 + T, N))
-                cs = slice(b0 // C, sl.stop // C)
+                c0, c1 = b0 // C, sl.stop // C
+                if c1 in doc_at:  # the next block starts a document: G so far is its initial state's
+                    d = doc_at[c1]
+                    dS0[d], dz0[d] = G, Zq
+                    G, Zq = gS[d - 1].clone(), gz[d - 1].clone()
                 kb = None if km is None else km[:, sl]
-                a, b, c, G, Zq = bwd(
-                    q[:, sl], k[:, sl], v[:, sl], kb, g[:, sl], out[:, sl], den[cs], w, wq, wk, scale,
+                resets = {c - c0: ((S0[d], z0[d]), (gS[d - 1], gz[d - 1])) for c, d in doc_at.items() if c0 < c < c1}
+                a, b, c, G, Zq, begun = bwd(
+                    q[:, sl], k[:, sl], v[:, sl], kb, g[:, sl], out[:, sl], den[c0:c1], w, wq, wk, scale,
                     _block_rot(rot, sl, C), starts_S[i], starts_z[i], G, Zq, C,
-                    None if feats is None else (feats[0, cs], feats[1, cs]),
+                    None if feats is None else (feats[0, c0:c1], feats[1, c0:c1]), resets or None,
                 )
+                for cl, (dS, dz) in begun.items():
+                    dS0[doc_at[c0 + cl]], dz0[doc_at[c0 + cl]] = dS, dz
                 _cm(dq[:, sl], C).copy_(a), _cm(dk[:, sl], C).copy_(b), _cm(dv[:, sl], C).copy_(c)
-            return dq, dk, dv, G, Zq, None, None, None, None, None, None, None, None
+            dS0[0], dz0[0] = G, Zq
+            return dq, dk, dv, dS0, dz0, None, None, None, None, None, None, None, None, None
 
 
-def _causal(q, k, v, w, km, rot, state, C, T):
+def _pack(docs, C, device):
+    """Packed documents laid out chunk-aligned: each padded to a multiple of C tokens.
+
+    Returns (src `[Np]`: the token each padded slot reads, valid `[Np]` bool, dst `[N]`: each
+    token's slot, starts: the chunk each document starts at), or None when every document
+    already starts on a chunk boundary (no padding needed but at the very end)."""
+    src, valid, dst, starts, at = [], [], [], [], 0
+    for s, e in docs:
+        n = e - s
+        p = -(-n // C) * C
+        starts.append(at // C)
+        src += list(range(s, e)) + [s] * (p - n)
+        valid += [True] * n + [False] * (p - n)
+        dst += list(range(at, at + n))
+        at += p
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return t(src, torch.long), t(valid, torch.bool), t(dst, torch.long), starts
+
+
+def _causal(q, k, v, w, km, rot, state, C, T, docs=None):
     """q, k `[B, H, N, x]`, v `[B, H, N, e]` in the compute dtype; km `[B, N]` or None; rot complex
-    `[N, m/2]` or `[B, N, m/2]` or None. Returns out `[B, H, N, e]`, S, z."""
+    `[N, m/2]` or `[B, N, m/2]` or None; ``docs`` [start, end) of packed documents (B = 1).
+    Returns out `[B, H, N, e]`, S, z (`[B or D, H, m, e]`, `[B or D, H, m]`)."""
     B, H, N, e = v.shape
     m = q.shape[-1] if w is None else w.shape[0]
     C = min(C, N)
     T = max(C, T // C * C)
-    pad = (-N) % C
+    starts, dst = [0], None
+    if docs is not None and len(docs) > 1:  # one call: documents chunk-aligned, states reset at their starts
+        src, valid, dst, starts = _pack(docs, C, q.device)
+        q, k, v = (t.index_select(2, src) for t in (q, k, v))
+        km = valid.to(v.dtype)[None] if km is None else km.index_select(1, src) * valid
+        rot = None if rot is None else rot.index_select(-2, src)
+    Np = q.shape[2]
+    pad = (-Np) % C
     if pad:  # trailing tokens to fill the last chunk: masked, so they change no output or state
-        km = torch.ones(B, N, dtype=v.dtype, device=v.device) if km is None else km
+        km = torch.ones(B, Np, dtype=v.dtype, device=v.device) if km is None else km
         km = F.pad(km, (0, pad))
         if rot is not None:  # (complex tensors have no F.pad)
             rot = torch.cat((rot, rot.new_ones(rot.shape[:-2] + (pad, rot.shape[-1]))), dim=-2)
 
-    def flat(t):  # (B*H, N+pad, .), contiguous; a copy only where a pad or layout needs one
+    def flat(t):  # (B*H, Np+pad, .), contiguous; a copy only where a pad or layout needs one
         if pad:
             t = F.pad(t, (0, 0, 0, pad))
-        return t.reshape(B * H, N + pad, -1).contiguous()
+        return t.reshape(B * H, Np + pad, -1).contiguous()
 
     q, k, v = flat(q), flat(k), flat(v)
     if km is not None:
-        km = km[:, None].expand(B, H, N + pad).reshape(B * H, N + pad)
+        km = km[:, None].expand(B, H, Np + pad).reshape(B * H, Np + pad)
+    D = len(starts)
     if state is None:
-        S0, z0 = v.new_zeros(B * H, m, e), v.new_zeros(B * H, m)
-    else:
-        S0, z0 = state.S.to(v.dtype).reshape(B * H, m, e), state.z.to(v.dtype).reshape(B * H, m)
+        S0, z0 = v.new_zeros(D, B * H, m, e), v.new_zeros(D, B * H, m)
+    else:  # rows (or documents) first: [B, H, ..] -> [1, B*H, ..]; [D, H, ..] stays per document
+        S0, z0 = state.S.to(v.dtype).reshape(D, B * H, m, e), state.z.to(v.dtype).reshape(D, B * H, m)
     wq = wk = None
     scale = 1.0
     if w is not None:
@@ -363,8 +447,11 @@ def _causal(q, k, v, w, km, rot, state, C, T):
         one = torch.ones_like(c[:, None])
         wq, wk = torch.cat((w, c[:, None]), dim=1), torch.cat((w, one, -c[:, None]), dim=1)  # (m, d+1), (m, d+2)
         scale = d**-0.25
-    out, S, z = _ChunkCausal.apply(q, k, v, S0, z0, km, w, wq, wk, scale, rot, C, T)
-    return out.view(B, H, N + pad, e)[:, :, :N], S.view(B, H, m, e), z.view(B, H, m)
+    out, S, z = _ChunkCausal.apply(q, k, v, S0, z0, km, w, wq, wk, scale, rot, C, T, starts)
+    out = out.view(B, H, Np + pad, e)
+    out = out[:, :, :N] if dst is None else out.index_select(2, dst)
+    rows = B if dst is None else D
+    return out, S.view(rows, H, m, e), z.view(rows, H, m)
 
 
 def _bidirectional(q, k, v, w, qmask, kmask, tables, state):
@@ -385,8 +472,8 @@ def _bidirectional(q, k, v, w, qmask, kmask, tables, state):
     return out, S, z
 
 
-def _one(q, k, v, *, causal, rotary, base, w, positions, offset, qmask, kmask, state, C, T):
-    """One sequence batch (no packing), in the compute dtype."""
+def _one(q, k, v, *, causal, rotary, base, w, positions, offset, qmask, kmask, state, C, T, docs=None):
+    """One call in the compute dtype: rows, or (causal) documents packed in one row."""
     cdt = v.dtype
     N = q.shape[2]
     m = q.shape[-1] if w is None else w.shape[0]
@@ -398,8 +485,10 @@ def _one(q, k, v, *, causal, rotary, base, w, positions, offset, qmask, kmask, s
             tables = (tables[0][:, None], tables[1][:, None])
         return _bidirectional(q, k, v, w, qmask, kmask, tables, state)
     rot = None if tables is None else torch.complex(*tables)
+    if rot is not None and rot.dim() == 3 and rot.shape[0] == 1:  # one row: one shared table
+        rot = rot[0]
     km = None if kmask is None else kmask.to(cdt)
-    return _causal(q, k, v, w, km, rot, state, C, T)
+    return _causal(q, k, v, w, km, rot, state, C, T, docs)
 
 
 def rotary_linear_attention(
@@ -464,7 +553,11 @@ def rotary_linear_attention(
         q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
         w = None if projection is None else projection.detach().to(cdt)
         kw = dict(causal=causal, rotary=rotary, base=base, w=w, C=chunk_size, T=block_size)
-        if a.docs is None:
+        if a.docs is not None and causal:  # packed documents in one call
+            pos = packed_positions(a.docs, a.offset, a.qmask, device=q.device) if rotary else None
+            out, S, z = _one(q, k, v, positions=pos, offset=0, qmask=a.qmask, kmask=a.kmask, state=a.state,
+                             docs=a.docs, **kw)
+        elif a.docs is None:
             out, S, z = _one(q, k, v, positions=a.positions, offset=a.offset, qmask=a.qmask, kmask=a.kmask,
                              state=a.state, **kw)
         else:
