@@ -1,29 +1,43 @@
 """Run every benchmark, write ``benchmarks/results/<name>.json`` and (re)write BENCHMARKS.md.
 
-    python -m benchmarks.run                 # full run: about 10-15 min on 2 cores
+    python -m benchmarks.run                 # full run: about 15 min on 2 cores
     python -m benchmarks.run --quick         # tiny sizes; writes under benchmarks/results/quick/
     python -m benchmarks.run --only memory   # one benchmark (BENCHMARKS.md then holds only it)
 
-Run from the repository root. BENCHMARKS.md is generated: edit this file, not that one.
+Run from the repository root. BENCHMARKS.md is generated: edit this file, not that one. Besides
+each benchmark's JSON it writes ``summary.json`` (every target with PASS/MISS, the machine, its
+GEMM rate and the load average before and after), and appends ``benchmarks/results/gpu.md``
+(written by ``python -m benchmarks.gpu`` on a GPU machine) when that file exists.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from . import attention, generation, leak, lm_training, memory
+from . import attention, bounds, generation, keywords, leak, lm_training, memory, training
 from .common import (
     REPO_ROOT, RESULTS_DIR, fmt, format_table, gemm_n, machine_info, machine_peak, ours_path, setup, target_line,
     write_json,
 )
 
-BENCHMARKS = {m.NAME: m for m in (attention, memory, generation, lm_training, leak)}
+BENCHMARKS = {m.NAME: m for m in (attention, keywords, memory, generation, training, lm_training, leak, bounds)}
+GPU_MD = RESULTS_DIR / "gpu.md"
 
 
-def render(results: dict[str, dict], machine: dict, command: str, wall_s: float, peak: float) -> str:
+def load() -> str:
+    """The 1/5/15-minute load averages: on a shared machine, how busy it was around the run."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def render(results: dict[str, dict], machine: dict, command: str, wall_s: float, peak: float,
+           loads: tuple[str, str] = ("unknown", "unknown")) -> str:
     """BENCHMARKS.md: setup, every target with PASS/MISS, then one section per benchmark."""
     quick = any(r["quick"] for r in results.values())
     out = [
@@ -37,7 +51,8 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
         "## Setup",
         "",
         f"- Command (from the repository root): `{command}`",
-        f"- Wall time: {fmt(wall_s / 60)} min",
+        f"- Wall time: {fmt(wall_s / 60)} min; load average (1/5/15 min) {loads[0]} before, {loads[1]} after "
+        f"(the machine has {machine['cores']} cores; other jobs share it)",
         f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB memory",
         f"- torch {machine['torch']}, {machine['threads']} threads, Python {machine['python']}, {machine['platform']}",
         f"- fp32 GEMM, measured at the start: {fmt(peak)} GFLOP/s (best of 7 n x n matmuls, n = {gemm_n(quick)}); "
@@ -60,6 +75,8 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
         out += ["Config: `" + json.dumps(r["config"]) + "`", ""]
         out += [format_table(r["table"]["headers"], r["table"]["rows"]), ""]
         out += [f"- {n}" for n in r.get("notes", [])] + [""]
+    if GPU_MD.is_file() and not quick:
+        out += [GPU_MD.read_text().strip(), ""]
     return "\n".join(out)
 
 
@@ -75,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     md = Path(a.md) if a.md else (out_dir / "BENCHMARKS.md" if a.quick else REPO_ROOT / "BENCHMARKS.md")
     setup(a.quick)
     machine = machine_info()
+    before = load()
     t0 = time.perf_counter()
     peak = machine_peak(a.quick)
     results = {}
@@ -87,7 +105,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     wall = time.perf_counter() - t0
     command = " ".join(["python -m benchmarks.run", *argv])
     md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(render(results, machine, command, wall, peak))
+    loads = (before, load())
+    md.write_text(render(results, machine, command, wall, peak, loads))
+    summary = {"name": "summary", "quick": a.quick, "command": command, "wall_s": wall, "load_before": loads[0],
+               "load_after": loads[1], "machine": {**machine, "gemm_gflop_per_s": peak, "gemm_n": gemm_n(a.quick)},
+               "targets": [{"benchmark": n, **t, "result": {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]}
+                           for n, r in results.items() for t in r["targets"]]}
+    write_json(summary, out_dir)
     print("\n== targets ==\n" + "\n".join(f"{n}: {target_line(t)}" for n, r in results.items() for t in r["targets"]))
     print(f"wrote {md}; wall time {fmt(wall / 60)} min")
     return results
