@@ -159,7 +159,7 @@ def test_step_bad_input():
 
 # --- every keyword on the fast path, against the reference (float64, outputs and gradients) ---
 
-import linear_rope.ops.chunk as chunk_mod  # noqa: E402
+import linear_rope.ops.chunk_blocks as chunk_mod  # noqa: E402
 from linear_rope import FavorFeatures, LinearAttentionState  # noqa: E402
 
 
