@@ -207,7 +207,8 @@ def _loss_parts(res):
 KEYWORD_CASES = ["mask", "offsets", "state", "mask+state", "cu", "cu+offsets", "cu+state"]
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["kept-features", "recomputed"])
+@pytest.mark.parametrize("keep", [("A", "phq", "phk", "S", "z"), ("A",), ("S", "z"), ()],
+                         ids=["all-kept", "A-kept", "states-kept", "recomputed"])
 @pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
 @pytest.mark.parametrize("fused", [True, False], ids=["projection", "features"])
 @pytest.mark.parametrize("case", KEYWORD_CASES)
@@ -215,8 +216,8 @@ KEYWORD_CASES = ["mask", "offsets", "state", "mask+state", "cu", "cu+offsets", "
 def test_keywords_match_reference(N, case, fused, rotary, keep, monkeypatch):
     if N == 1 and case.startswith("cu"):
         pytest.skip("one token cannot hold three documents")
-    if not keep:
-        monkeypatch.setattr(chunk_mod, "KEEP_FEATURES_BYTES", 0)
+    plan = chunk_mod._keep_plan  # what the forward keeps for the backward; the rest is recomputed
+    monkeypatch.setattr(chunk_mod, "_keep_plan", lambda *a, **kw: {n: b for n, b in plan(*a, **kw).items() if n in keep})
     leaves, kw = _keyword_case(case, fused, N, seed=N)
     got = _loss_parts(rotary_linear_attention(*leaves[:3], rotary=rotary, chunk_size=16, block_size=32, **kw))
     want = _loss_parts(linear_attention_ref(*leaves[:3], rotary=rotary, **kw))

@@ -9,13 +9,15 @@ documents start.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
 __all__ = ["KEEP_FEATURES_BYTES", "use_compile"]
 
-# FAVOR+ features are kept from the forward for the backward up to this size (both q and k),
-# and recomputed block by block above it (the memory stays O(block) at any length).
+# What the forward keeps for the backward (see ``_keep_plan``) stays under this size; the rest
+# is recomputed block by block (the memory stays O(block) at any length).
 KEEP_FEATURES_BYTES = 512 << 20
 
 
@@ -51,15 +53,16 @@ def _phi(xc, w_aug, scale, is_query, kmc, out=None):
 
 def _featurize(xq, xk, kmc, w, wq, wk, scale, keep=None, kept=None):
     """Chunk-major block features: FAVOR+ of q, k when ``w`` is given, else q and k are the
-    features. Masked keys (``kmc`` `[nc, BH, C]` of 0/1) get zero features. ``keep``: buffers
-    the forward writes them into for the backward; ``kept``: those buffers, in the backward."""
+    features. Masked keys (``kmc`` `[nc, BH, C]` of 0/1) get zero features. ``keep`` / ``kept``:
+    see ``_block_forward``."""
     if w is None:
         phk = xk if kmc is None else xk * kmc.unsqueeze(-1)
         return xq.contiguous(), phk.contiguous(), None
-    if kept is not None:
-        return kept[0], kept[1], xk * scale
-    phq, _ = _phi(xq, wq, scale, True, None, None if keep is None else keep[0])
-    phk, xks = _phi(xk, wk, scale, False, kmc, None if keep is None else keep[1])
+    if kept and "phq" in kept:
+        return kept["phq"], kept["phk"], xk * scale
+    keep = keep or {}
+    phq, _ = _phi(xq, wq, scale, True, None, keep.get("phq"))
+    phk, xks = _phi(xk, wk, scale, False, kmc, keep.get("phk"))
     return phq, phk, xks
 
 
@@ -118,6 +121,18 @@ def _suffix_(buf, resets=None):
     return starts
 
 
+def _key_sums(phk, zx):
+    """The denominator's key sums `[nc, BH, C, m]`: z before the chunk plus the chunk's keys up
+    to and including each token (a running sum within the chunk: additions of earlier keys only)."""
+    return torch.cumsum(phk, 2).add_(zx.unsqueeze(2))
+
+
+def _put(dst, src):
+    """dst[...] = src, unless src already is dst (a state kept in place between blocks)."""
+    if not (dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride()):
+        dst.copy_(src)
+
+
 def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep=None, resets=None):
     """One block: q, k `[BH, t, d or m]`, v `[BH, t, e]`, state S `[BH, m, e]`, z `[BH, m]` before it,
     km `[BH, t]` 0/1 or None, rot chunk-major (see ``_rotate``) or None.
@@ -126,6 +141,10 @@ def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep
     the state after it, and {c: (S, z)} after each packed document that ends inside it
     (``resets`` {c: (S0, z0)}: the documents that start at its chunks c >= 1).
 
+    ``keep``: the block's slices of buffers that outlive the forward, for the backward: "phq",
+    "phk" (features), "A" (the masked intra-chunk products), "S" (and "z" with rotation: the
+    state before every chunk; slot 0 is shared with the previous block's last slot).
+
     Without rotation (Eq. 18) the denominator rides in the numerator's GEMMs: v gets a column
     of ones and S the column z. With rotation the numerator uses R phi, the denominator phi,
     so the denominator has GEMMs of its own.
@@ -133,43 +152,46 @@ def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep
     BH, t, e = v.shape
     m, nc = S.shape[1], t // C
     kmc = None if km is None else _cm(km.unsqueeze(-1), C).squeeze(-1)  # (nc, BH, C)
+    keep = keep or {}
     phq, phk, _ = _featurize(_cm(q, C), _cm(k, C), kmc, w, wq, wk, scale, keep)  # (nc, BH, C, m)
+    A_out = _b(keep["A"]) if "A" in keep else None
     if rot is None:
         va = v.new_empty(nc, BH, C, e + 1)
         va[..., :e] = _cm(v, C)
         va[..., e] = 1.0
-        Sb = v.new_empty(nc + 1, BH, m, e + 1)  # [S | z] before each chunk, then after the block
-        Sb[0, ..., :e], Sb[0, ..., e] = S, z
+        Sb = keep["S"] if "S" in keep else v.new_empty(nc + 1, BH, m, e + 1)  # [S | z] before each chunk, then after
+        _put(Sb[0, ..., :e], S), _put(Sb[0, ..., e], z)
         torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
         ends = _prefix_(Sb, resets and {c: torch.cat((a, b.unsqueeze(-1)), -1) for c, (a, b) in resets.items()})
         ends = {c: (t[..., :e], t[..., e]) for c, t in ends.items()}
-        A = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
+        A = torch.bmm(_b(phq), _b(phk).transpose(1, 2), out=A_out).tril_()
         numa = torch.bmm(_b(phq), _b(Sb[:nc])).baddbmm_(A, _b(va)).view(nc, BH, C, e + 1)
         num, den = numa[..., :e], numa[..., e]
         S, z = Sb[nc, ..., :e], Sb[nc, ..., e]
     else:
         vc = _cm(v, C).contiguous()
         rq, rk = _rotate(phq, rot), _rotate(phk, rot)
-        Sb = v.new_empty(nc + 1, BH, m, e)
-        Sb[0] = S
+        Sb = keep["S"] if "S" in keep else v.new_empty(nc + 1, BH, m, e)
+        _put(Sb[0], S)
         torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
         ends_S = _prefix_(Sb, resets and {c: a for c, (a, _) in resets.items()})
-        zb = v.new_empty(nc + 1, BH, m)
-        zb[0] = z
+        zb = keep["z"] if "z" in keep else v.new_empty(nc + 1, BH, m)
+        _put(zb[0], z)
         torch.sum(phk, 2, out=zb[1:])
         ends_z = _prefix_(zb, resets and {c: b for c, (_, b) in resets.items()})
         ends = {c: (ends_S[c], ends_z[c]) for c in ends_S}
-        A = torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
+        A = torch.bmm(_b(rq), _b(rk).transpose(1, 2), out=A_out).tril_()
         num = torch.bmm(_b(rq), _b(Sb[:nc])).baddbmm_(A, _b(vc)).view(nc, BH, C, e)
-        Ad = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
-        den = torch.bmm(_b(phq), zb[:nc].reshape(-1, m, 1)).view(nc, BH, C).add_(Ad.sum(-1).view(nc, BH, C))
+        den = torch.linalg.vecdot(phq, _key_sums(phk, zb[:nc]))
         S, z = Sb[nc], zb[nc]
     # A query that sees no real key (left padding) has num = den = 0: the guard gives 0.
     den = den.clamp_min(torch.finfo(den.dtype).tiny)
     out = num / den.unsqueeze(-1)
     if kmc is not None:
         out *= kmc.unsqueeze(-1)
-    return out, den, S.clone(), z.clone(), ends
+    if "S" not in keep:
+        S, z = S.clone(), z.clone()
+    return out, den, S, z, ends
 
 
 def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, z0, G, Zq, C: int, kept=None,
@@ -187,24 +209,27 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
         gc = gc * kmc.unsqueeze(-1)
     dnum = gc / den.unsqueeze(-1)  # (nc, BH, C, e)
     dden = (gc * _cm(out, C)).sum(-1).div_(den).neg_().contiguous()  # (nc, BH, C)
+    kept = kept or {}
     phq, phk, xks = _featurize(_cm(q, C), _cm(k, C), kmc, w, wq, wk, scale, kept=kept)
     if rot is None:  # Eq. 18: the denominator is the ones column of v, as in the forward
         va = v.new_empty(nc, BH, C, e + 1)
         va[..., :e] = _cm(v, C)
         va[..., e] = 1.0
         dna = torch.cat((dnum, dden.unsqueeze(-1)), -1)  # (nc, BH, C, e+1)
-        Sb = v.new_empty(nc + 1, BH, m, e + 1)
-        Sb[0, ..., :e], Sb[0, ..., e] = S0, z0
-        torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
         cat = lambda a, b: torch.cat((a, b.unsqueeze(-1)), -1)  # noqa: E731
-        _prefix_(Sb, resets and {c: cat(*s0) for c, (s0, _) in resets.items()})
+        Sb = kept.get("S")
+        if Sb is None:  # the states before each chunk, again
+            Sb = v.new_empty(nc + 1, BH, m, e + 1)
+            Sb[0, ..., :e], Sb[0, ..., e] = S0, z0
+            torch.bmm(_b(phk).transpose(1, 2), _b(va), out=_b(Sb[1:]))
+            _prefix_(Sb, resets and {c: cat(*s0) for c, (s0, _) in resets.items()})
         Gb = v.new_empty(nc + 1, BH, m, e + 1)  # suffix sums after each chunk: G[c+1]
         Gb[nc, ..., :e], Gb[nc, ..., e] = G, Zq
         torch.bmm(_b(phq).transpose(1, 2), _b(dna), out=_b(Gb[:nc]))
         starts = _suffix_(Gb, resets and {c: cat(*gs) for c, (_, gs) in resets.items()})
         starts = {c: (t[..., :e], t[..., e]) for c, t in starts.items()}
         P = torch.bmm(_b(dna), _b(va).transpose(1, 2)).tril_()  # P[n, j] = dna_n . va_j, j <= n
-        A = torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
+        A = _b(kept["A"]) if "A" in kept else torch.bmm(_b(phq), _b(phk).transpose(1, 2)).tril_()
         dphq = torch.bmm(_b(dna), _b(Sb[:nc]).transpose(1, 2)).baddbmm_(P, _b(phk))
         dphk = torch.bmm(_b(va), _b(Gb[1:]).transpose(1, 2)).baddbmm_(P.transpose(1, 2), _b(phq))
         dv = torch.bmm(_b(phk), _b(Gb[1:, ..., :e])).baddbmm_(A.transpose(1, 2), _b(dnum.contiguous()))
@@ -212,23 +237,27 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
     else:
         vc = _cm(v, C).contiguous()
         # denominator den_n = phq_n . (z0 + sum_{j <= n} phk_j), chunked
-        zb = v.new_empty(nc + 1, BH, m)
-        zb[0] = z0
-        torch.sum(phk, 2, out=zb[1:])
-        _prefix_(zb, resets and {c: s0[1] for c, (s0, _) in resets.items()})
+        zb = kept.get("z")
+        if zb is None:
+            zb = v.new_empty(nc + 1, BH, m)
+            zb[0] = z0
+            torch.sum(phk, 2, out=zb[1:])
+            _prefix_(zb, resets and {c: s0[1] for c, (s0, _) in resets.items()})
         Zb = v.new_empty(nc + 1, BH, m)
         Zb[nc] = Zq
         torch.bmm(dden.view(-1, 1, C), _b(phq), out=Zb[:nc].view(-1, 1, m))
         starts_z = _suffix_(Zb, resets and {c: gs[1] for c, (_, gs) in resets.items()})
         Md = dden.view(-1, C, 1).expand(-1, C, C).tril()  # Md[n, j] = dden_n for j <= n
-        dfq = torch.bmm(Md, _b(phk)).addcmul_(dden.view(-1, C, 1), zb[:nc].reshape(-1, 1, m))
+        dfq = _key_sums(phk, zb[:nc]).mul_(dden.unsqueeze(-1))
         dfk = torch.bmm(Md.transpose(1, 2), _b(phq)).add_(Zb[1:].reshape(-1, 1, m))
         # numerator: chunked linear attention on the rotated features
         rq, rk = _rotate(phq, rot), _rotate(phk, rot)
-        Sb = v.new_empty(nc + 1, BH, m, e)
-        Sb[0] = S0
-        torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
-        _prefix_(Sb, resets and {c: s0[0] for c, (s0, _) in resets.items()})
+        Sb = kept.get("S")
+        if Sb is None:
+            Sb = v.new_empty(nc + 1, BH, m, e)
+            Sb[0] = S0
+            torch.bmm(_b(rk).transpose(1, 2), _b(vc), out=_b(Sb[1:]))
+            _prefix_(Sb, resets and {c: s0[0] for c, (s0, _) in resets.items()})
         dnum = dnum.contiguous()
         Gb = v.new_empty(nc + 1, BH, m, e)
         Gb[nc] = G
@@ -236,7 +265,7 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
         starts = _suffix_(Gb, resets and {c: gs[0] for c, (_, gs) in resets.items()})
         starts = {c: (starts[c], starts_z[c]) for c in starts}
         P = torch.bmm(_b(dnum), _b(vc).transpose(1, 2)).tril_()  # P[n, j] = dnum_n . v_j, j <= n
-        A = torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
+        A = _b(kept["A"]) if "A" in kept else torch.bmm(_b(rq), _b(rk).transpose(1, 2)).tril_()
         drq = torch.bmm(_b(dnum), _b(Sb[:nc]).transpose(1, 2)).baddbmm_(P, _b(rk))
         drk = torch.bmm(_b(vc), _b(Gb[1:]).transpose(1, 2)).baddbmm_(P.transpose(1, 2), _b(rq))
         dv = torch.bmm(_b(rk), _b(Gb[1:])).baddbmm_(A.transpose(1, 2), _b(dnum))
@@ -279,6 +308,32 @@ def _block_rot(rot, sl, C):
     return r.view(B, t // C, C, h).transpose(0, 1).unsqueeze(2)
 
 
+def _keep_plan(NC, BH, C, m, e, *, fused, rotary, like):
+    """Buffers the forward fills for the backward, greedily while they fit ``KEEP_FEATURES_BYTES``,
+    in order of GEMM work saved per byte: the masked intra-chunk products A `[NC, BH, C, C]`
+    (2 m flops per element), the FAVOR+ features `[NC, BH, C, m]` each (two GEMMs and an exp),
+    the states before every chunk `[NC + 1, BH, m, e (+1)]` (one GEMM and the prefix sums)."""
+    want = {"A": (NC, BH, C, C)}
+    if fused:
+        want.update(phq=(NC, BH, C, m), phk=(NC, BH, C, m))
+    want["S"] = (NC + 1, BH, m, e + (not rotary))
+    if rotary:
+        want["z"] = (NC + 1, BH, m)
+    left, bufs = KEEP_FEATURES_BYTES, {}
+    for group in (("A",), ("phq", "phk"), ("S", "z")):
+        names = [n for n in group if n in want]
+        size = sum(math.prod(want[n]) for n in names) * like.element_size()
+        if names and size <= left:
+            left -= size
+            bufs.update({n: like.new_empty(want[n]) for n in names})
+    return bufs
+
+
+def _slices(bufs, c0, c1):
+    """The slices of the kept buffers for the block of chunks [c0, c1) (states: c0 .. c1 inclusive)."""
+    return {n: b[c0 : c1 + 1] if n in ("S", "z") else b[c0:c1] for n, b in bufs.items()}
+
+
 class _ChunkCausal(torch.autograd.Function):
     """(q, k, v, S0, z0) -> (out, S, z): causal Eq. 19 from the states (S0, z0), blockwise.
 
@@ -295,9 +350,7 @@ class _ChunkCausal(torch.autograd.Function):
             out = torch.empty_like(v)
             den = v.new_empty(N // C, BH, C)
             m = S0.shape[2]
-            # FAVOR+ features kept for the backward when they fit the budget, else recomputed
-            keep = w is not None and 2 * N * BH * m * v.element_size() <= KEEP_FEATURES_BYTES
-            feats = v.new_empty(2, N // C, BH, C, m) if keep else None
+            bufs = _keep_plan(N // C, BH, C, m, e, fused=w is not None, rotary=rot is not None, like=v)
             doc_at = {c: d for d, c in enumerate(starts)}
             S_end, z_end = torch.empty_like(S0), torch.empty_like(z0)
             S, z = S0[0], z0[0]
@@ -314,21 +367,22 @@ class _ChunkCausal(torch.autograd.Function):
                 resets = {c - c0: (S0[d], z0[d]) for c, d in doc_at.items() if c0 < c < c1}
                 o, den[c0:c1], S, z, ends = fwd(
                     q[:, sl], k[:, sl], v[:, sl], kb, w, wq, wk, scale, _block_rot(rot, sl, C), S, z, C,
-                    None if feats is None else (feats[0, c0:c1], feats[1, c0:c1]), resets or None)
+                    _slices(bufs, c0, c1), resets or None)
                 for c, (Se, ze) in ends.items():
                     S_end[doc_at[c0 + c] - 1], z_end[doc_at[c0 + c] - 1] = Se, ze
                 _cm(out[:, sl], C).copy_(o)
             S_end[-1], z_end[-1] = S, z
             ctx.save_for_backward(q, k, v, km, w, wq, wk, rot, out, den, torch.stack(starts_S), torch.stack(starts_z),
-                                  feats, S0, z0)
-            ctx.scale, ctx.C, ctx.T, ctx.starts = scale, C, T, starts
+                                  S0, z0, *bufs.values())
+            ctx.scale, ctx.C, ctx.T, ctx.starts, ctx.kept = scale, C, T, starts, list(bufs)
             return out, S_end, z_end
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g, gS, gz):
         with torch.autocast(g.device.type, enabled=False):
-            q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z, feats, S0, z0 = ctx.saved_tensors
+            q, k, v, km, w, wq, wk, rot, out, den, starts_S, starts_z, S0, z0, *kept = ctx.saved_tensors
+            bufs = dict(zip(ctx.kept, kept))
             scale, C, T = ctx.scale, ctx.C, ctx.T
             doc_at = {c: d for d, c in enumerate(ctx.starts)}
             BH, N, e = v.shape
@@ -349,8 +403,7 @@ class _ChunkCausal(torch.autograd.Function):
                 resets = {c - c0: ((S0[d], z0[d]), (gS[d - 1], gz[d - 1])) for c, d in doc_at.items() if c0 < c < c1}
                 a, b, c, G, Zq, begun = bwd(
                     q[:, sl], k[:, sl], v[:, sl], kb, g[:, sl], out[:, sl], den[c0:c1], w, wq, wk, scale,
-                    _block_rot(rot, sl, C), starts_S[i], starts_z[i], G, Zq, C,
-                    None if feats is None else (feats[0, c0:c1], feats[1, c0:c1]), resets or None,
+                    _block_rot(rot, sl, C), starts_S[i], starts_z[i], G, Zq, C, _slices(bufs, c0, c1), resets or None,
                 )
                 for cl, (dS, dz) in begun.items():
                     dS0[doc_at[c0 + cl]], dz0[doc_at[c0 + cl]] = dS, dz
