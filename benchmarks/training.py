@@ -11,8 +11,9 @@ Each side runs in a fresh child process that imports ``linear_rope`` from its ow
 from this repository, the base from a ``git worktree`` of ``--base-ref`` (the commit issue 14
 starts from), made under a temporary directory and removed afterwards. Children alternate,
 base then ours then base ..., so a drift of the shared machine hits both alike; each child
-times ``steps`` steps after ``warmup`` and reports their median. The result is the ratio of
-medians of tokens/s. Target: ours / base >= 2.
+times ``steps`` steps after ``warmup`` and reports their median. Each tree's step time is its
+best child's median (bursts of load slow whole children); the median of all steps is recorded
+too. Target: ours / base tokens/s >= 2.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         why = (made.stderr.strip().splitlines() or ["git worktree add failed"])[-1]
         return report({"name": NAME, "quick": quick, "config": {**cfg, "base_ref": base_ref},
-                       "table": {"headers": ["tree", "step s (median)", "tokens/s"], "rows": [["-", "-", "-"]]},
+                       "table": {"headers": ["tree", "step s", "tokens/s"], "rows": [["-", "-", "-"]]},
                        "targets": [target(f"ours / base ({base_ref}) training tokens/s", None, ">=", TARGET)],
                        "notes": [f"not run: no worktree of {base_ref} ({why})"]}, out_dir)
     try:
@@ -103,7 +104,10 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF) -> dict:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO_ROOT, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    step = {s: statistics.median(t for r in rs for t in r["step_s"]) for s, rs in runs.items()}
+    # Each child's median step, then the best child per tree: a burst of load on the shared
+    # machine slows whole children (steps of 3-10 s were seen), and it should not decide the ratio.
+    step = {s: min(statistics.median(r["step_s"]) for r in rs) for s, rs in runs.items()}
+    step_all = {s: statistics.median(t for r in rs for t in r["step_s"]) for s, rs in runs.items()}
     tokens = runs["ours"][0]["tokens_per_step"]
     tok_s = {s: tokens / v for s, v in step.items()}
     ratio = tok_s["ours"] / tok_s["base"]
@@ -112,14 +116,16 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF) -> dict:
         "quick": quick,
         "config": {**cfg, "base_ref": base_ref, "tokens_per_step": tokens},
         "step_s": step,
+        "step_s_median_of_all_steps": step_all,
         "tokens_per_s": tok_s,
         "speedup": ratio,
         "runs": runs,
-        "table": {"headers": ["tree", "step s (median)", "tokens/s"],
-                  "rows": [[f"base ({base_ref})", step["base"], tok_s["base"]], ["ours", step["ours"], tok_s["ours"]]]},
+        "table": {"headers": ["tree", "step s (best child's median)", "step s (median of all steps)", "tokens/s"],
+                  "rows": [[f"base ({base_ref})", step["base"], step_all["base"], tok_s["base"]],
+                           ["ours", step["ours"], step_all["ours"], tok_s["ours"]]]},
         "targets": [target(f"ours / base ({base_ref}) {cfg['preset']}-preset training tokens/s", ratio, ">=", TARGET)],
         "notes": [f"{cfg['rounds']} alternating child processes per tree, {cfg['steps']} timed steps each after "
-                  f"{cfg['warmup']} warmup; {cfg['threads']} threads; medians over all timed steps."],
+                  f"{cfg['warmup']} warmup; {cfg['threads']} threads; tokens/s from the best child's median step of each tree."],
     }
     return report(result, out_dir)
 
