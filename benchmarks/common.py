@@ -34,7 +34,7 @@ import torch
 
 from linear_rope import FavorFeatures
 from linear_rope import rotary_linear_attention
-from linear_rope.ops.chunk import CHUNK
+from linear_rope.ops.chunk import BLOCK, CHUNK
 
 THREADS = 2  # the machine's 2 cores; quick mode uses 1, see ``setup``
 BENCH_DIR = Path(__file__).resolve().parent
@@ -85,7 +85,8 @@ def ours_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: 
 
 def ours_path() -> str:
     """Which code path ``ours_attention`` takes, for the record."""
-    return "linear_rope.rotary_linear_attention(projection=...) (FAVOR+ fused in the public op)"
+    return ("linear_rope.rotary_linear_attention(projection=...) (public op, FAVOR+ inside; chunk form, "
+            f"chunk {CHUNK}, block {BLOCK})")
 
 
 def chunk_size() -> int:

@@ -41,7 +41,9 @@ from .common import fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup,
 NAME = "memory"
 # skip: (impl, N, mode) -> reason, cuts on top of ``attention.skip_reason`` (e.g. for the 15-minute
 # budget); none now.
-FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1, skip={})
+FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1,
+            skip={("ours_none", 65536, "fwd"): "time budget", ("ours_none", 65536, "fwd+bwd"): "time budget",
+                  ("ours_rope", 65536, "fwd"): "time budget"})
 # Quick: fwd+bwd, every impl at N = 64 and ours_rope also at 128 (for the slope), two children
 # at a time (a tiny child is mostly imports and first-call set-up).
 QUICK = dict(ns=(64, 128), slope_min_n=0, jobs=2, modes=("fwd+bwd",),

@@ -103,6 +103,28 @@ def test_lm_training_numbers(quick):
     assert r["mfu"]["ours"] > 0 and r["model_gflop_per_token"] > 0
 
 
+def test_keywords_numbers(quick):
+    r = quick[1]["keywords"]
+    assert set(r["ratio"]) == {"mask", "cu_seqlens", "initial_state"}
+    assert all(ms > 0 for ms in r["ms"].values()) and len(r["targets"]) == 3
+
+
+def test_training_numbers(quick):
+    r = quick[1]["training"]
+    if "tokens_per_s" in r:  # absent only where the base commit cannot be checked out
+        assert all(v > 0 for v in r["tokens_per_s"].values()) and r["speedup"] > 0
+
+
+def test_bounds_and_summary(quick):
+    out, results = quick
+    b = results["bounds"]
+    assert b["ours"]["gemm_gflop"] > 0 and 0 < b["training_step"]["attention_share"] < 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["machine"]["gemm_gflop_per_s"] > 0 and summary["machine"]["cpu"]
+    assert {t["result"] for t in summary["targets"]} <= {"PASS", "MISS", "n/a"}
+    assert len(summary["targets"]) == sum(len(r["targets"]) for r in results.values())
+
+
 def test_ours_attention_is_features_then_eq19():
     """The one-line switch to a fused op must not change the maths (float64, N odd)."""
     torch.manual_seed(0)

@@ -155,3 +155,126 @@ def test_step_bad_input():
         rotary_linear_attention_step(q8, k8, v8, state, 1)
     with pytest.raises(ValueError, match="even"):
         rotary_linear_attention_step(q[..., :3], k[..., :3], v, None, 0)
+
+
+# --- every keyword on the fast path, against the reference (float64, outputs and gradients) ---
+
+import linear_rope.ops.chunk_blocks as chunk_mod  # noqa: E402
+from linear_rope import FavorFeatures, LinearAttentionState  # noqa: E402
+
+
+def _keyword_case(case, fused, N, seed=0):
+    """(inputs requiring grad, kwargs) for one keyword case; B*H = 2*3, m = 10 or a d=6 projection."""
+    g = torch.Generator().manual_seed(seed)
+    B = 1 if case.startswith("cu") else 2
+    H, m, e = 3, 10, 5
+    if fused:
+        q, k = (torch.randn(B, H, N, 6, generator=g, **F64) for _ in range(2))
+        torch.manual_seed(seed)
+        w = FavorFeatures(6, m).projection.double()
+    else:
+        q, k = (torch.rand(B, H, N, m, generator=g, **F64) + 0.01 for _ in range(2))
+        w = None
+    v = torch.randn(B, H, N, e, generator=g, **F64)
+    leaves = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()]
+    kw = dict(projection=w)
+    docs = [N // 3, 1, N - N // 3 - 1] if N >= 3 else [N]
+    rows = len(docs) if case.startswith("cu") else B
+    if case in ("mask", "mask+state"):
+        mask = torch.ones(B, N, dtype=torch.bool)
+        mask[0, : N // 4] = False  # left padding
+        mask[1, N - N // 3:] = False  # right padding
+        mask[1, N // 2] = N < 4  # a hole (kept when the row would be empty)
+        kw["mask"] = mask
+    if case.startswith("cu"):
+        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32)
+    if case in ("offsets", "cu+offsets"):
+        kw["offset"] = torch.tensor([3, 900, 17][:rows])
+    if case in ("state", "mask+state", "cu+state"):
+        S0 = torch.randn(rows, H, m, e, generator=g, **F64).requires_grad_()
+        z0 = (torch.rand(rows, H, m, generator=g, **F64) + 0.5).requires_grad_()
+        kw["initial_state"] = LinearAttentionState(S0, z0)
+        kw["output_final_state"] = True
+        leaves += [S0, z0]
+    return leaves, kw
+
+
+def _loss_parts(res):
+    """Output and (when returned) final state, as one list of tensors to take gradients through."""
+    return [res[0], res[1].S, res[1].z] if isinstance(res, tuple) else [res]
+
+
+KEYWORD_CASES = ["mask", "offsets", "state", "mask+state", "cu", "cu+offsets", "cu+state"]
+
+
+@pytest.mark.parametrize("keep", [("A", "phq", "phk", "S", "z"), ("A",), ("S", "z"), ()],
+                         ids=["all-kept", "A-kept", "states-kept", "recomputed"])
+@pytest.mark.parametrize("rotary", [True, False], ids=["rope", "norope"])
+@pytest.mark.parametrize("fused", [True, False], ids=["projection", "features"])
+@pytest.mark.parametrize("case", KEYWORD_CASES)
+@pytest.mark.parametrize("N", [pytest.param(n, id=f"N{n}") for n in (1, 5, 70, 257)])
+def test_keywords_match_reference(N, case, fused, rotary, keep, monkeypatch):
+    if N == 1 and case.startswith("cu"):
+        pytest.skip("one token cannot hold three documents")
+    plan = chunk_mod._keep_plan  # what the forward keeps for the backward; the rest is recomputed
+    monkeypatch.setattr(chunk_mod, "_keep_plan", lambda *a, **kw: {n: b for n, b in plan(*a, **kw).items() if n in keep})
+    leaves, kw = _keyword_case(case, fused, N, seed=N)
+    got = _loss_parts(rotary_linear_attention(*leaves[:3], rotary=rotary, chunk_size=16, block_size=32, **kw))
+    want = _loss_parts(linear_attention_ref(*leaves[:3], rotary=rotary, **kw))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    g = torch.Generator().manual_seed(1)
+    ups = [torch.randn(t.shape, generator=g, **F64) for t in got]
+    for a, b in zip(torch.autograd.grad(got, leaves, ups), torch.autograd.grad(want, leaves, ups)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_bidirectional_keywords_match_reference(causal):
+    leaves, kw = _keyword_case("mask+state", True, 40)
+    got = _loss_parts(rotary_linear_attention(*leaves[:3], causal=causal, **kw))
+    want = _loss_parts(linear_attention_ref(*leaves[:3], causal=causal, **kw))
+    ups = [torch.randn(t.shape, generator=torch.Generator().manual_seed(2), **F64) for t in got]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, leaves, ups), torch.autograd.grad(want, leaves, ups)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_cross_attention_key_mask_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    q = (torch.rand(2, 3, 7, 8, generator=g, **F64) + 0.01).requires_grad_()
+    k = (torch.rand(2, 3, 11, 8, generator=g, **F64) + 0.01).requires_grad_()
+    v = torch.randn(2, 3, 11, 4, generator=g, **F64).requires_grad_()
+    key_mask = torch.rand(2, 11, generator=g) > 0.3
+    kw = dict(causal=False, rotary=False, key_mask=key_mask, mask=torch.rand(2, 7, generator=g) > 0.2)
+    out, ref = rotary_linear_attention(q, k, v, **kw), linear_attention_ref(q, k, v, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("case", ["mask", "cu+state"])
+def test_keywords_strictly_causal(case):
+    """Changing later keys and values moves earlier outputs by exactly 0, with every keyword."""
+    leaves, kw = _keyword_case(case, True, 130)
+    q, k, v = (t.detach() for t in leaves[:3])
+    t = 70
+    out = _loss_parts(rotary_linear_attention(q, k, v, chunk_size=16, block_size=32, **kw))[0]
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, t + 1:] *= 5
+    v2[:, :, t + 1:] += 3
+    out2 = _loss_parts(rotary_linear_attention(q, k2, v2, chunk_size=16, block_size=32, **kw))[0]
+    assert (out[:, :, : t + 1] - out2[:, :, : t + 1]).abs().max().item() == 0.0
+
+
+def test_bf16_autocast_training_step():
+    """Under bf16 autocast the op runs in float32 inside and its backward works."""
+    leaves, kw = _keyword_case("mask", True, 100)
+    q, k, v = (t.detach().float().requires_grad_() for t in leaves[:3])
+    w = kw.pop("projection").float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = rotary_linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), projection=w, **kw)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
