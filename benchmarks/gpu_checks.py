@@ -34,11 +34,10 @@ def tolerance(dtype: torch.dtype) -> dict:
     computes in float32 (float64 for float64 inputs) whatever the input dtype and rounds once, to
     the input dtype, at the end; so a half-precision result may be off by float32's error plus
     half an ulp (relative; absolute among subnormals)."""
-    f32 = dict(rtol=1e-4, atol=1e-5, grad_atol=5e-4)
-    f32_why = ("float32 sums over N tokens and m = 266 exp features: outputs and states measured to 6e-6 x max; "
-               "the gradients of k and v to 1.7e-4 x max, up to 40x a naive float32 run, because the hand-written "
-               "backward forms suffix sums as total - prefix (linear_rope/ops/chunk.py _excl_suffix), whose "
-               "round-off scales with the whole sequence's sum: hence grad_atol 5e-4")
+    f32 = dict(rtol=1e-4, atol=1e-5, grad_atol=1e-4)
+    f32_why = ("float32 sums over N tokens and m = 266 exp features: outputs and states measured to 6e-6 x max, "
+               "the gradients of k and v to 4.5e-6 x max over 8 seeds (a naive float32 run: 4.3e-6; the suffix "
+               "sums of the backward accumulate from the end, never as total - prefix); 10-20x headroom")
     if dtype == torch.float64:
         return dict(rtol=1e-9, atol=1e-10, grad_atol=1e-10,
                     why="float64 throughout: round-off of other summation orders only (measured about 1e-14 x max)")
