@@ -64,10 +64,15 @@ def _pack(docs, C, device):
     return t(src, torch.long), t(valid, torch.bool), t(dst, torch.long), starts
 
 
+@torch.compiler.disable
 def _causal(q, k, v, w, km, rot, state, C, T, docs=None):
     """q, k `[B, H, N, x]`, v `[B, H, N, e]` in the compute dtype; km `[B, N]` or None; rot complex
     `[N, m/2]` or `[B, N, m/2]` or None; ``docs`` [start, end) of packed documents (B = 1).
-    Returns out `[B, H, N, e]`, S, z (`[B or D, H, m, e]`, `[B or D, H, m]`)."""
+    Returns out `[B, H, N, e]`, S, z (`[B or D, H, m, e]`, `[B or D, H, m]`).
+
+    Under ``torch.compile`` of a model this runs eagerly (a graph break; the rest of the model
+    compiles): its block loop and complex RoPE tables gain nothing from Inductor on CPU, and
+    Inductor failed on its dynamic shapes (``mul expected 2 arguments, got 3``, torch 2.13)."""
     B, H, N, e = v.shape
     m = q.shape[-1] if w is None else w.shape[0]
     C = min(C, N)
