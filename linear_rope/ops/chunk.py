@@ -131,7 +131,7 @@ def _bidirectional(q, k, v, w, qmask, kmask, tables, state):
     if state is not None:
         S, z = S + state.S.to(S.dtype), z + state.z.to(z.dtype)
     den = (fq * z.unsqueeze(-2)).sum(-1)
-    out = (rq @ S) / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+    out = (rq @ S) / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
     if qmask is not None:
         out = out * qmask[:, None, :, None]
     return out, S, z

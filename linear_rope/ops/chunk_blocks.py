@@ -20,6 +20,11 @@ __all__ = ["KEEP_FEATURES_BYTES", "use_compile"]
 KEEP_FEATURES_BYTES = 512 << 20
 
 
+def _safe(den):
+    """The divisor for a denominator the forward kept as 0 where it was <= 0 (see below)."""
+    return torch.where(den > 0, den, torch.ones_like(den))
+
+
 def _cm(x, C):
     """`[BH, t, x]` -> `[nc, BH, C, x]`, chunk-major (a view; ``.contiguous()`` copies it).
 
@@ -186,9 +191,11 @@ def _block_forward(q, k, v, km, w, wq, wk, scale: float, rot, S, z, C: int, keep
         num = torch.bmm(_b(rq), _b(Sb[:nc])).baddbmm_(A, _b(vc)).view(nc, BH, C, e)
         den = torch.linalg.vecdot(phq, _key_sums(phk, zb[:nc]))
         S, z = Sb[nc], zb[nc]
-    # A query that sees no real key (left padding) has num = den = 0: the guard gives 0.
-    den = den.clamp_min(torch.finfo(den.dtype).tiny)
-    out = num / den.unsqueeze(-1)
+    # A query that sees no real key (left padding) has num = den = 0: the guard gives 0. As in
+    # naive, a denominator <= 0 (relu features with disjoint supports, allow_negative) divides by
+    # 1 and passes no gradient to den: den is kept as 0 there, for the backward.
+    den = torch.where(den > 0, den, torch.zeros_like(den))
+    out = num / _safe(den).unsqueeze(-1)
     if kmc is not None:
         out *= kmc.unsqueeze(-1)
     if "S" not in keep:
@@ -209,8 +216,8 @@ def _block_backward(q, k, v, km, g, out, den, w, wq, wk, scale: float, rot, S0, 
     gc = _cm(g, C)
     if kmc is not None:
         gc = gc * kmc.unsqueeze(-1)
-    dnum = gc / den.unsqueeze(-1)  # (nc, BH, C, e)
-    dden = (gc * _cm(out, C)).sum(-1).div_(den).neg_().contiguous()  # (nc, BH, C)
+    dnum = gc / _safe(den).unsqueeze(-1)  # (nc, BH, C, e)
+    dden = (gc * _cm(out, C)).sum(-1).div_(_safe(den)).neg_().mul_(den > 0).contiguous()  # (nc, BH, C)
     kept = kept or {}
     phq, phk, xks = _featurize(_cm(q, C), _cm(k, C), kmc, w, wq, wk, scale, kept=kept)
     if rot is None:  # Eq. 18: the denominator is the ones column of v, as in the forward

@@ -70,5 +70,5 @@ def rotary_linear_attention_step(
             S, z = a.state.S.to(cdt) + S, a.state.z.to(cdt) + z
         num = (rq.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, e)
         den = (q_t * z).sum(-1)  # (B, H)
-        out = num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+        out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
     return out.to(out_dtype), LinearAttentionState(S, z)
