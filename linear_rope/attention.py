@@ -16,7 +16,11 @@ from .rotary import apply_rotary, check_offset, packed_positions, token_position
 
 __all__ = ["RotaryLinearAttention", "POSITIONS"]
 
-POSITIONS = ("rope", "rope_pre", "none")
+POSITIONS = ("rope", "rope_pre", "rope_norm", "none")
+
+# rope_norm divides by max(row sum of Eq. 19's weights, this floor): rows sum to exactly 1
+# wherever the rotated weights sum to >= 0.05, and the output gain is at most 20 elsewhere.
+ROW_SUM_FLOOR = 0.05
 
 
 class RotaryLinearAttention(nn.Module):
@@ -31,6 +35,10 @@ class RotaryLinearAttention(nn.Module):
             ``"rope"``     RoFormer Eq. 19, RoPE on the features phi(q), phi(k), numerator only;
             ``"rope_pre"`` RoPE on q and k *before* the feature map (performer-pytorch's
                            ``rotary_position_emb``), then plain linear attention;
+            ``"rope_norm"`` an ablation of Eq. 19 whose rows sum to 1: the rotated numerator
+                           over the *rotated* denominator ``sum_n (R_m phi(q_m))^T (R_n phi(k_n))``,
+                           floored at ``ROW_SUM_FLOOR`` times the unrotated one (Eq. 19's rows
+                           drift away from 1 because only the numerator is rotated);
             ``"none"``     plain linear attention (Eq. 18), no position information.
         feature_map: ``"favor"``, ``"elu"`` or ``"relu"`` (see ``FavorFeatures``).
         dropout: dropout on the output projection (linear attention never forms the attention
@@ -67,7 +75,7 @@ class RotaryLinearAttention(nn.Module):
         if feature_map not in FEATURE_KINDS:
             raise ValueError(f"feature_map must be one of {FEATURE_KINDS}, got {feature_map!r}")
         self.features = FavorFeatures(dim_head, nb_features, kind=feature_map)
-        if position == "rope" and self.features.out_features % 2:
+        if position in ("rope", "rope_norm") and self.features.out_features % 2:
             raise ValueError(f"nb_features: rope rotates the features, so m must be even, got {self.features.out_features}")
         self.heads, self.dim_head, self.causal, self.position, self.base = heads, dim_head, causal, position, base
         inner = heads * dim_head
@@ -96,6 +104,18 @@ class RotaryLinearAttention(nn.Module):
         if self.features.kind == "favor":
             return q, k, self.features.projection
         return self.features(q, is_query=True), self.features(k, is_query=False), None
+
+    def _ones_column(self, v: torch.Tensor) -> torch.Tensor:
+        """rope_norm: a ones column on v, so the op also returns Eq. 19's row sum (rotated
+        denominator / unrotated one) as the last output column. Its state has d + 1 columns."""
+        if self.position != "rope_norm":
+            return v
+        return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+
+    def _renormalise(self, out: torch.Tensor) -> torch.Tensor:
+        if self.position != "rope_norm":
+            return out
+        return out[..., :-1] / out[..., -1:].clamp_min(ROW_SUM_FLOOR)
 
     def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, H, N, d = out.shape
@@ -159,13 +179,14 @@ class RotaryLinearAttention(nn.Module):
             q = apply_rotary(q, offset=offset if pos is None else 0, base=self.base, positions=pos)
             k = apply_rotary(k, offset=offset if pos is None else 0, base=self.base, positions=pos)
         q, k, projection = self._op_inputs(q, k)
+        v = self._ones_column(v)
         res = rotary_linear_attention(
-            q, k, v, causal=self.causal, rotary=self.position == "rope", offset=offset, base=self.base,
+            q, k, v, causal=self.causal, rotary=self.position in ("rope", "rope_norm"), offset=offset, base=self.base,
             projection=projection, mask=mask, key_mask=context_mask if context is not None else None,
             cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
         )
         out, state = res if output_final_state else (res, None)
-        out = self._project_out(out, x)
+        out = self._project_out(self._renormalise(out), x)
         return (out, state) if output_final_state else out
 
     def step(self, x_t: torch.Tensor, state: LinearAttentionState | None, position: int | torch.Tensor):
@@ -184,6 +205,7 @@ class RotaryLinearAttention(nn.Module):
             k = apply_rotary(k.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
         q, k, projection = self._op_inputs(q, k)
         out, state = rotary_linear_attention_step(
-            q, k, v, state, position, rotary=self.position == "rope", base=self.base, projection=projection
+            q, k, self._ones_column(v), state, position, rotary=self.position in ("rope", "rope_norm"),
+            base=self.base, projection=projection,
         )
-        return self._project_out(out.unsqueeze(2), x_t).squeeze(1), state
+        return self._project_out(self._renormalise(out).unsqueeze(2), x_t).squeeze(1), state

@@ -16,7 +16,7 @@ from .rotary import check_offset, token_positions
 __all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
 
 # The ablation's variants: where position information enters the model.
-LM_POSITIONS = ("rope", "rope_pre", "absolute", "none")
+LM_POSITIONS = ("rope", "rope_pre", "rope_norm", "absolute", "none")
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ModelConfig:
     dim_head: int = 64  # per-head dim d
     nb_features: int | None = 266  # FAVOR+ features m (None: int(d ln d), even)
     seq_len: int = 1024  # training context; also the size of the `absolute` table
-    position: str = "rope"  # rope (Eq. 19) | rope_pre | absolute | none
+    position: str = "rope"  # rope (Eq. 19) | rope_pre | rope_norm | absolute | none
     feature_map: str = "favor"  # favor | elu | relu
     ff_mult: int = 4  # feed-forward hidden = ff_mult * dim
     dropout: float = 0.0  # on residual branches and embeddings
@@ -49,8 +49,8 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.nb_features is not None and self.nb_features < 1:
             raise ValueError(f"nb_features must be >= 1 or None, got {self.nb_features}")
-        if self.position == "rope" and self.nb_features is not None and self.nb_features % 2:
-            raise ValueError(f"nb_features: rope rotates the features, so m must be even, "
+        if self.position in ("rope", "rope_norm") and self.nb_features is not None and self.nb_features % 2:
+            raise ValueError(f"nb_features: {self.position} rotates the features, so m must be even, "
                              f"got {self.nb_features}")
         if self.position == "rope_pre" and self.dim_head % 2:
             raise ValueError(f"dim_head: rope_pre rotates q and k, so it must be even, "
@@ -63,6 +63,9 @@ MODEL_PRESETS: dict[str, dict] = {
     # 12 layers at reduced width and length: 0.56 s per training step on 2 idle CPU cores
     # (batch 8 x 256 tokens, train preset "cpu"), so 1,000 steps take about 10 minutes.
     "cpu": dict(dim=128, depth=12, heads=4, dim_head=32, nb_features=64, seq_len=256),
+    # 12 layers, narrow enough that a 20M-byte run fits in about an hour on one CPU core: the
+    # preset of the issue-15 ablation (width, batch and lr from a sweep on `none`, see README).
+    "cpu20m": dict(dim=64, depth=12, heads=2, dim_head=32, nb_features=32, seq_len=256),
     # For tests.
     "tiny": dict(dim=32, depth=2, heads=2, dim_head=8, nb_features=16, seq_len=32),
 }
@@ -78,7 +81,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        attn_position = cfg.position if cfg.position in ("rope", "rope_pre") else "none"
+        attn_position = cfg.position if cfg.position in ("rope", "rope_pre", "rope_norm") else "none"
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = RotaryLinearAttention(
             cfg.dim, heads=cfg.heads, dim_head=cfg.dim_head, nb_features=cfg.nb_features,

@@ -9,7 +9,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .ops.naive import naive_rotary_linear_attention, rotate_naive
+from .attention import ROW_SUM_FLOOR
+from .ops.naive import eq19_weights, naive_rotary_linear_attention, rotate_naive
 
 __all__ = [
     "apply_rotary_ref",
@@ -74,6 +75,11 @@ def layer_ref(layer, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
         fq, fk = elu_features_ref(q), elu_features_ref(k)
     else:
         fq, fk = relu_features_ref(q), relu_features_ref(k)
-    out = naive_rotary_linear_attention(fq, fk, v, causal=layer.causal, rotary=layer.position == "rope", offset=offset)
+    rotary = layer.position in ("rope", "rope_norm")
+    if layer.position == "rope_norm":  # Eq. 19's weights W, each row divided by its floored sum
+        w = eq19_weights(fq, fk, causal=layer.causal, rotary=True, offset=offset, base=layer.base)
+        out = (w / w.sum(-1, keepdim=True).clamp_min(ROW_SUM_FLOOR)) @ v
+    else:
+        out = naive_rotary_linear_attention(fq, fk, v, causal=layer.causal, rotary=rotary, offset=offset)
     out = out.transpose(1, 2).reshape(B, N, H * D)
     return out @ layer.to_out.weight.t() + layer.to_out.bias

@@ -32,7 +32,7 @@ def test_decay_bound_matches_the_sum_and_decays():
         analysis.rope_decay_bound(7, 10)
 
 
-@pytest.mark.parametrize("position", ["rope", "rope_pre", "none", "absolute"])
+@pytest.mark.parametrize("position", ["rope", "rope_pre", "rope_norm", "none", "absolute"])
 def test_eq19_weights_reproduce_the_layer_and_their_row_sums(position):
     torch.manual_seed(0)
     model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": position})).double()
@@ -40,8 +40,10 @@ def test_eq19_weights_reproduce_the_layer_and_their_row_sums(position):
     w, sums = analysis.eq19_weights(model, ids, layer=1, head=1)
     assert w.shape == (32, 32) and torch.equal(w.triu(1), torch.zeros_like(w))
     torch.testing.assert_close(sums, w.sum(-1), rtol=0, atol=0)
-    if position != "rope":  # normalised attention
-        torch.testing.assert_close(sums, torch.ones(32, dtype=torch.float64), rtol=0, atol=1e-12)
+    if position != "rope":  # normalised attention (rope_norm: where the rotated rows sum to >= floor)
+        ok = sums > 0.999 if position == "rope_norm" else slice(None)
+        assert position != "rope_norm" or ok.float().mean() > 0.5
+        torch.testing.assert_close(sums[ok], torch.ones(32, dtype=torch.float64)[ok], rtol=0, atol=1e-12)
     # W @ v is the head's attention output
     seen = {}
     attn = model.blocks[1].attn
@@ -52,8 +54,24 @@ def test_eq19_weights_reproduce_the_layer_and_their_row_sums(position):
     if position == "rope_pre":
         q, k = apply_rotary(q), apply_rotary(k)
     q, k, projection = attn._op_inputs(q, k)
-    out = rotary_linear_attention(q, k, v, causal=True, rotary=position == "rope", projection=projection)
-    torch.testing.assert_close(w @ v[0, 1], out[0, 1], rtol=1e-10, atol=1e-12)
+    out = rotary_linear_attention(q, k, attn._ones_column(v), causal=True, projection=projection,
+                                  rotary=position in ("rope", "rope_norm"))
+    torch.testing.assert_close(w @ v[0, 1], attn._renormalise(out)[0, 1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("position", ["rope", "rope_pre", "rope_norm", "none", "absolute"])
+def test_row_sums_of_every_layer_equal_those_of_eq19_weights(position):
+    torch.manual_seed(1)
+    model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": position})).double()
+    ids = torch.randint(256, (32,))
+    sums = analysis.row_sums(model, ids)
+    assert sums.shape == (2, 2, 32) and sums.dtype == torch.float64
+    for layer in range(2):
+        for head in range(2):
+            torch.testing.assert_close(sums[layer, head], analysis.eq19_weights(model, ids, layer, head)[1],
+                                       rtol=1e-10, atol=1e-12)
+    if position == "rope":
+        assert (sums - 1).abs().max() > 0.01  # Eq. 19 drifts from 1
 
 
 def test_bpc_at_lengths_agrees_with_training_eval_and_refuses_past_the_absolute_table():
@@ -78,7 +96,7 @@ def test_steps_to_reach_interpolates():
 def test_plots_all_writes_every_file(tmp_path, corpus):
     pytest.importorskip("matplotlib")
     runs = tmp_path / "runs"
-    code, _, err = run_main(["--preset", "tiny", "--variants", "rope,none", "--seeds", "0,1",
+    code, _, err = run_main(["--preset", "tiny", "--variants", "rope,rope_norm,none", "--seeds", "0,1",
                              "--steps", "6", "--eval-every", "3", "--log-every", "1",
                              "--data", str(corpus), "--data-dir", str(tmp_path / "data"),
                              "--out", str(runs)])
@@ -88,7 +106,8 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
                        str(tmp_path / "data"), "--out", str(out)]) == 0
     for name in ("extrapolation.csv", "extrapolation.png", "attention_weights.png",
                  "attention_rowsums.csv", "attention_rowsums.png", "decay.csv", "decay.png",
-                 "summary.json", "val_bpc.png", "curves/rope-seed1.csv"):
+                 "summary.json", "val_bpc.png", "curves/rope-seed1.csv", "rowsums_lengths.csv",
+                 "rowsums_lengths.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     rows = plots.read_csv(out / "curves/rope-seed0.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, 7))
@@ -101,8 +120,16 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     assert set(summary["extrapolation_test_bpc"]["rope"]) == {"1L", "2L", "4L", "8L"}
     split = data.load_split(data.prepare_corpus(corpus, tmp_path / "data")["test"])
     assert summary["extrapolation_test_bpc"]["none"]["1L"]["n"] == 2 and len(split) > 0
+    rl = summary["row_sums_at_lengths"]
+    assert set(rl["rope"]) == {"1L", "2L", "4L", "8L"} and rl["rope"]["8L"]["mean"]["n"] == 2
+    assert rl["none"]["8L"]["min"]["mean"] == 1.0 and rl["rope"]["1L"]["min"]["mean"] != 1.0
+    assert rl["rope_norm"]["1L"]["p05"]["mean"] == pytest.approx(1.0, abs=1e-9)  # floored rows aside
+    rows = [r for r in plots.read_csv(out / "rowsums_lengths.csv") if r["run"] == "rope-seed0"]
+    assert [int(r["factor"]) for r in rows] == [1, 2, 4, 8]
+    assert summary["variants"]["rope"]["train_bytes"] == [6 * 4 * 32] * 2  # steps x batch x L
     table = plots.tables(out)
-    assert "| `rope` | 2 |" in table and "test BPC at 8L" in table and "mean abs(row sum" in table
+    assert "| `rope` | 2 | 0.0M |" in table and "test BPC at 8L" in table and "mean abs(row sum" in table
+    assert "| `rope_norm` (n=2) |" in table and "at 8L: mean" in table
     # the Eq. 19 image sits in the run's TensorBoard events
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(str(runs / "rope-seed0"))

@@ -5,7 +5,7 @@ from linear_rope import RotaryLinearAttention
 from linear_rope.reference import layer_ref
 
 F64 = dict(dtype=torch.float64)
-POSITIONS = ["rope", "rope_pre", "none"]
+POSITIONS = ["rope", "rope_pre", "rope_norm", "none"]
 MAPS = ["favor", "elu", "relu"]
 
 

@@ -10,11 +10,13 @@ import torch
 from ..enwik8 import data
 from ..enwik8.runtime import Dist
 from ..enwik8.trainer import evaluate
+from ..attention import ROW_SUM_FLOOR
 from ..model import PerformerLM
 from ..ops import eq19_weights as _eq19_weights_op
+from ..ops import rotary_linear_attention
 from ..rotary import apply_rotary
 
-__all__ = ["rope_decay_bound", "eq19_weights", "bpc_at_lengths", "read_scalars", "wall_seconds",
+__all__ = ["rope_decay_bound", "eq19_weights", "row_sums", "bpc_at_lengths", "read_scalars", "wall_seconds",
            "steps_to_reach"]
 
 
@@ -42,7 +44,8 @@ def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
     """The effective causal weight matrix of one head, and its row sums.
 
     ``W[m, n] = (R_m phi(q_m))^T (R_n phi(k_n)) / sum_{n' <= m} phi(q_m)^T phi(k_{n'})`` for
-    ``n <= m`` (Eq. 19; without ``R`` for the other variants, whose rows sum to 1), so that the
+    ``n <= m`` (Eq. 19; without ``R`` for the other variants, whose rows sum to 1; ``rope_norm``
+    divides each row by its sum floored at ``ROW_SUM_FLOOR``), so that the
     head's output is ``W @ v``. ids: `[N]` bytes. Returns float64 ``W`` `[N, N]` and `[N]` sums.
     """
     if not 0 <= layer < len(model.blocks):
@@ -63,9 +66,43 @@ def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
     if attn.position == "rope_pre":
         q, k = apply_rotary(q, base=attn.base), apply_rotary(k, base=attn.base)
     q, k, projection = attn._op_inputs(q, k)
-    w = _eq19_weights_op(q[:, head : head + 1].double(), k[:, head : head + 1].double(), rotary=attn.position == "rope",
-                     base=attn.base, projection=None if projection is None else projection.double())[0, 0]
+    w = _eq19_weights_op(q[:, head : head + 1].double(), k[:, head : head + 1].double(),
+                         rotary=attn.position in ("rope", "rope_norm"), base=attn.base,
+                         projection=None if projection is None else projection.double())[0, 0]
+    if attn.position == "rope_norm":
+        w = w / w.sum(-1, keepdim=True).clamp_min(ROW_SUM_FLOOR)
     return w, w.sum(-1)
+
+
+@torch.no_grad()
+def row_sums(model: PerformerLM, ids: torch.Tensor) -> torch.Tensor:
+    """Row sums of every layer's and head's effective weights ``W`` (see :func:`eq19_weights`)
+    in one forward pass, without forming ``W``: the op on a value of ones returns them. ids:
+    `[N]` bytes. Returns float64 `[depth, heads, N]` (exactly 1 for the normalised variants)."""
+    seen = []
+    hooks = [b.attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+             for b in model.blocks]
+    was_training = model.training
+    try:
+        model.eval()
+        model(ids.reshape(1, -1).long())
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    sums = []
+    for block, x in zip(model.blocks, seen):
+        attn = block.attn
+        q, k, _ = attn._qkv(x, None)
+        ones = q.new_ones(q.shape[:-1] + (1,), dtype=torch.float64)
+        if attn.position not in ("rope", "rope_norm"):
+            sums.append(ones[0, ..., 0])
+            continue
+        q, k, projection = attn._op_inputs(q.double(), k.double())
+        s = rotary_linear_attention(q, k, ones, causal=attn.causal, rotary=True, base=attn.base,
+                                    projection=None if projection is None else projection.double())
+        sums.append(attn._renormalise(torch.cat((s, s), -1))[0, ..., 0])  # rope: s; rope_norm: s / floored s
+    return torch.stack(sums)
 
 
 def bpc_at_lengths(model: PerformerLM, split, lengths: list[int], tokens_per_batch: int = 8192,

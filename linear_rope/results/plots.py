@@ -7,7 +7,8 @@
 ``all`` runs, in order: ``export`` (each run's TensorBoard scalars to ``curves/<run>.csv``),
 ``extrapolate`` (test BPC of every final model at windows L, 2L, 4L, 8L), ``attention`` (the
 Eq. 19 weight matrix of one head and the row sums of every head, per variant, as PNGs and as
-TensorBoard images in the run), ``decay``, ``summary`` (``summary.json`` and the val-BPC
+TensorBoard images in the run), ``rowsums`` (row sums of every layer and head of every run at
+windows L, 2L, 4L, 8L), ``decay``, ``summary`` (``summary.json`` and the val-BPC
 figure with mean +- std bands) and ``tables`` (the README's markdown tables, printed). Every
 figure is drawn from the CSV / JSON written beside it.
 """
@@ -32,7 +33,10 @@ from ..enwik8.sample import load_model
 from . import analysis
 
 RUN = re.compile(r"^(?P<variant>[a-z_]+)-seed(?P<seed>\d+)$")
-COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_pre": "tab:green"}
+COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_pre": "tab:green",
+          "rope_norm": "tab:purple"}
+ORDER = ("rope", "rope_pre", "rope_norm", "absolute", "none")
+FACTORS = (1, 2, 4, 8)
 TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc")
 
 
@@ -209,6 +213,52 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
     print(f"wrote {out}/attention_*.png", file=sys.stderr)
 
 
+def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
+            tokens: int = 8192) -> None:
+    """Row sums of W in every layer and head of every finished run, on test windows of f * L
+    (``tokens`` tokens per factor, as many as the split holds, from the start of the test split). Per run and
+    factor: mean, 5th percentile and min over layers, heads, positions and windows, the mean
+    over the window's last L positions (past the training length for f > 1), and the share
+    below ``ROW_SUM_FLOOR``. ``rowsums_lengths.png``: the mean row sum by position at 8L."""
+    from ..attention import ROW_SUM_FLOOR
+
+    test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
+    header = ["run", "variant", "seed", "step", "factor", "mean", "p05", "min", "mean_last_L",
+              "frac_below_floor"]
+    rows, curves = [], {}
+    for name, variant, seed, path, model in _final_models(runs):
+        L, step = model.cfg.seq_len, load_checkpoint(path)["step"]
+        for f in factors:
+            n = f * L
+            windows = min(max(1, tokens // n), len(test) // n)
+            if windows == 0:
+                continue  # the test split is shorter than one window
+            sums = torch.stack([analysis.row_sums(model, torch.from_numpy(test[i * n:(i + 1) * n].astype("int64")))
+                                for i in range(windows)])  # (windows, depth, H, n)
+            flat = sums.flatten()
+            rows.append([name, variant, seed, step, f, f"{flat.mean():.5f}", f"{flat.quantile(0.05):.5f}",
+                         f"{flat.min():.5f}", f"{sums[..., -L:].mean():.5f}",
+                         f"{(flat < ROW_SUM_FLOOR).double().mean():.5f}"])
+            if f == max(factors) and seed == 0:
+                curves[variant] = sums.mean((0, 1, 2))
+        print(f"{name}: row sums at " + ", ".join(f"{r[4]}L {r[5]}" for r in rows if r[0] == name), file=sys.stderr)
+    if not rows:
+        raise ResultsError(f"no finished runs in {runs}")
+    write_csv(out / "rowsums_lengths.csv", header, rows)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in [v for v in ORDER if v in curves]:
+        ax.plot(curves[variant].numpy(), color=COLORS.get(variant), lw=1, label=variant)
+    L = next(iter(_final_models(runs)))[4].cfg.seq_len
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.axvline(L, color="k", lw=0.5, ls=":")
+    ax.set(xlabel="query position m (dotted: training length L)", ylabel="mean row sum of W",
+           title=f"Row sums at 8L, seed 0: mean of layers, heads and {max(1, tokens // (8 * L))} test windows")
+    ax.title.set_fontsize(9)
+    _save(fig, out / "rowsums_lengths.png", [ax])
+    print(f"wrote {out}/rowsums_lengths.csv, rowsums_lengths.png", file=sys.stderr)
+
+
 def decay(out: Path, dims=(64, 266), max_distance: int = 1024) -> None:
     bounds = {d: analysis.rope_decay_bound(d, max_distance) for d in dims}
     write_csv(out / "decay.csv", ["distance", *(f"bound_d{d}" for d in dims)],
@@ -250,7 +300,12 @@ def summary(runs: Path, out: Path) -> dict:
         entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
                  "wall_minutes": [round(analysis.wall_seconds(runs / f"{variant}-seed{s}") / 60, 1)
                                   for s in seeds],
-                 "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None}
+                 "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
+                 # the training BPC of the last few hundred steps (EMA) beside val: do they part?
+                 "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"), 0.98)[-1][1]
+                                                        for rs in seeds.values()]),
+                 "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(runs / f"{variant}-seed{s}")
+                                 for s, rs in seeds.items()]}
         if none_final is not None:
             entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
                                                 for rs in seeds.values()]
@@ -274,10 +329,23 @@ def summary(runs: Path, out: Path) -> dict:
         result["attention_row_sums"] = {v: {"min": min(x), "max": max(x),
                                             "mean_abs_dev_from_1": statistics.mean(abs(a - 1) for a in x)}
                                         for v, x in rs.items()}
+    if (out / "rowsums_lengths.csv").is_file():
+        rl = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+        for r in read_csv(out / "rowsums_lengths.csv"):
+            for c in ("mean", "p05", "min", "mean_last_L", "frac_below_floor"):
+                rl[r["variant"]][f"{r['factor']}L"][c].append(float(r[c]))
+        result["row_sums_at_lengths"] = {v: {f: {c: _mean_std(xs) for c, xs in cs.items()}
+                                             for f, cs in d.items()} for v, d in rl.items()}
     atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
     _curves_figure(variants, out / "val_bpc.png")
     print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
     return result
+
+
+def _bytes_per_step(run_dir: Path) -> int:
+    cfg = json.loads((run_dir / "config.json").read_text())
+    t = cfg["train"]
+    return t["batch_size"] * t["grad_accum"] * cfg["model"]["seq_len"] * cfg.get("world_size", 1)
 
 
 def _col(rows, tag):
@@ -315,18 +383,20 @@ def tables(out: Path) -> str:
         return "–" if not d else (f"{d['mean']:.{digits}f} ± {d['std']:.{digits}f}" if d["n"] > 1
                                   else f"{d['mean']:.{digits}f}")
 
-    order = [v for v in ("rope", "rope_pre", "absolute", "none") if v in s["variants"]]
-    lines = ["| variant | seeds | final val BPC | final test BPC | steps to reach `none`'s final "
-             "val BPC (val curve / smoothed train curve) | minutes per run |",
-             "|---|---|---|---|---|---|"]
+    order = [v for v in ORDER if v in s["variants"]]
+    lines = ["| variant | seeds | training bytes per run | final val BPC | final test BPC | final train "
+             "BPC (EMA) | steps to reach `none`'s final val BPC (val curve / smoothed train curve) | "
+             "minutes per run |", "|---|---|---|---|---|---|---|---|"]
     for v in order:
         e = s["variants"][v]
 
         def reach(key):
             xs = e.get(key) or []
             return ", ".join("never" if x is None else f"{x:.0f}" for x in xs) or "–"
-        lines.append(f"| `{v}` | {len(e['seeds'])} | {ms(e['final_val_bpc'])} | "
-                     f"{ms(e['final_test_bpc'])} | {reach('steps_to_none_final_val')} / "
+        tb = sorted(set(e.get("train_bytes") or []))
+        lines.append(f"| `{v}` | {len(e['seeds'])} | {', '.join(f'{b / 1e6:.1f}M' for b in tb) or '–'} | "
+                     f"{ms(e['final_val_bpc'])} | {ms(e['final_test_bpc'])} | "
+                     f"{ms(e.get('final_train_bpc_smoothed'))} | {reach('steps_to_none_final_val')} / "
                      f"{reach('steps_to_none_final_val_smoothed_train')} | "
                      f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
     ext = s.get("extrapolation_test_bpc")
@@ -337,6 +407,20 @@ def tables(out: Path) -> str:
         for v in order:
             if v in ext:
                 lines.append(f"| `{v}` | " + " | ".join(ms(ext[v].get(c)) for c in cols) + " |")
+    rl = s.get("row_sums_at_lengths")
+    if rl:
+        cols = [c for c in ("1L", "2L", "4L", "8L") if any(c in rl[v] for v in rl)]
+        lines += ["", "| variant: row sums of W, all layers and heads | "
+                  + " | ".join(f"at {c}: mean (5th pct, min); last L mean" for c in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for v in order:
+            if v in rl:
+                cells = []
+                for c in cols:
+                    d = rl[v].get(c)
+                    cells.append("–" if not d else f"{d['mean']['mean']:.3f} ({d['p05']['mean']:.3f}, "
+                                 f"{min(d['min']['values']):.3f}); {d['mean_last_L']['mean']:.3f}")
+                lines.append(f"| `{v}` (n={len(rl[v][cols[0]]['mean']['values'])}) | " + " | ".join(cells) + " |")
     rs = s.get("attention_row_sums")
     if rs:
         lines += ["", "| variant (seed 0, middle layer) | min row sum | max row sum | "
@@ -360,8 +444,8 @@ def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m linear_rope.plots", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "decay", "summary",
-                                    "tables"])
+    p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "rowsums", "decay",
+                                    "summary", "tables"])
     p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
     p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
                    help="the corpus the runs trained on (for test windows)")
@@ -382,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             extrapolate(runs, out, args.data, args.data_dir)
         if args.what in ("all", "attention"):
             attention(runs, out, args.data, args.data_dir)
+        if args.what in ("all", "rowsums"):
+            rowsums(runs, out, args.data, args.data_dir)
         if args.what in ("all", "decay"):
             decay(out)
         if args.what in ("all", "summary"):
