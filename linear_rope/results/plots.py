@@ -225,7 +225,7 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
     test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
     header = ["run", "variant", "seed", "step", "factor", "mean", "p05", "min", "mean_last_L",
               "frac_below_floor"]
-    rows, curves = [], {}
+    rows, curves, n_windows = [], {}, 0
     for name, variant, seed, path, model in _final_models(runs):
         L, step = model.cfg.seq_len, load_checkpoint(path)["step"]
         for f in factors:
@@ -240,7 +240,7 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
                          f"{flat.min():.5f}", f"{sums[..., -L:].mean():.5f}",
                          f"{(flat < ROW_SUM_FLOOR).double().mean():.5f}"])
             if f == max(factors) and seed == 0:
-                curves[variant] = sums.mean((0, 1, 2))
+                curves[variant], n_windows = sums.mean((0, 1, 2)), windows
         print(f"{name}: row sums at " + ", ".join(f"{r[4]}L {r[5]}" for r in rows if r[0] == name), file=sys.stderr)
     if not rows:
         raise ResultsError(f"no finished runs in {runs}")
@@ -248,12 +248,12 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in [v for v in ORDER if v in curves]:
-        ax.plot(curves[variant].numpy(), color=COLORS.get(variant), lw=1, label=variant)
-    L = next(iter(_final_models(runs)))[4].cfg.seq_len
+        ax.plot(curves[variant].numpy(), color=COLORS.get(variant), lw=1, label=variant,
+                ls="--" if variant == "rope_norm" else "-")
     ax.axhline(1.0, color="k", lw=0.5)
     ax.axvline(L, color="k", lw=0.5, ls=":")
     ax.set(xlabel="query position m (dotted: training length L)", ylabel="mean row sum of W",
-           title=f"Row sums at 8L, seed 0: mean of layers, heads and {max(1, tokens // (8 * L))} test windows")
+           title=f"Row sums at {max(factors)}L, seed 0: mean of layers, heads and {n_windows} test windows")
     ax.title.set_fontsize(9)
     _save(fig, out / "rowsums_lengths.png", [ax])
     print(f"wrote {out}/rowsums_lengths.csv, rowsums_lengths.png", file=sys.stderr)
