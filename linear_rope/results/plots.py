@@ -302,7 +302,7 @@ def summary(runs: Path, out: Path) -> dict:
                                   for s in seeds],
                  "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
                  # the training BPC of the last few hundred steps (EMA) beside val: do they part?
-                 "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"), 0.98)[-1][1]
+                 "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
                                                         for rs in seeds.values()]),
                  "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(runs / f"{variant}-seed{s}")
                                  for s, rs in seeds.items()]}
