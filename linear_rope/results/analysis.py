@@ -101,7 +101,8 @@ def row_sums(model: PerformerLM, ids: torch.Tensor) -> torch.Tensor:
         q, k, projection = attn._op_inputs(q.double(), k.double())
         s = rotary_linear_attention(q, k, ones, causal=attn.causal, rotary=True, base=attn.base,
                                     projection=None if projection is None else projection.double())
-        sums.append(attn._renormalise(torch.cat((s, s), -1))[0, ..., 0])  # rope: s; rope_norm: s / floored s
+        s = s[0, ..., 0]
+        sums.append(s / s.clamp_min(ROW_SUM_FLOOR) if attn.position == "rope_norm" else s)
     return torch.stack(sums)
 
 
