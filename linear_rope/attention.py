@@ -76,7 +76,7 @@ class RotaryLinearAttention(nn.Module):
             raise ValueError(f"feature_map must be one of {FEATURE_KINDS}, got {feature_map!r}")
         self.features = FavorFeatures(dim_head, nb_features, kind=feature_map)
         if position in ("rope", "rope_norm") and self.features.out_features % 2:
-            raise ValueError(f"nb_features: rope rotates the features, so m must be even, got {self.features.out_features}")
+            raise ValueError(f"nb_features: {position} rotates the features, so m must be even, got {self.features.out_features}")
         self.heads, self.dim_head, self.causal, self.position, self.base = heads, dim_head, causal, position, base
         inner = heads * dim_head
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)

@@ -8,7 +8,7 @@ from linear_rope.model import MODEL_PRESETS, ModelConfig
 from linear_rope.reference import layer_ref
 
 F64 = dict(dtype=torch.float64)
-POSITIONS = ["rope", "rope_pre", "none"]
+POSITIONS = ["rope", "rope_pre", "rope_norm", "none"]
 MODES = [pytest.param(True, id="causal"), pytest.param(False, id="bidir")]
 DIM = 24
 
@@ -155,7 +155,7 @@ def test_ragged_prefill_then_per_row_steps(position):
         close(dec[b], alone[0, n:])
 
 
-@pytest.mark.parametrize("position", ["rope", "rope_pre", "absolute", "none"])
+@pytest.mark.parametrize("position", ["rope", "rope_pre", "rope_norm", "absolute", "none"])
 def test_lm_mask_and_ragged_generate(position):
     torch.manual_seed(0)
     model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": position})).double()
