@@ -148,3 +148,9 @@ def test_plots_cli_bad_runs_dir_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         plots.main(["export", "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
     assert exc.value.code == 2 and "no finished" in capsys.readouterr().err
+
+
+def test_redraw_jumps_measure_the_step_at_each_redraw():
+    curve = [(s, 3.0 if s <= 100 else 4.0 if s <= 200 else 3.5) for s in range(10, 301, 10)]
+    assert plots._redraw_jumps(curve, 100) == pytest.approx([1.0, -0.5])
+    assert plots._redraw_jumps(curve, 0) == [] and plots._redraw_jumps(curve, 1000) == []

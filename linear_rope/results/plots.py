@@ -312,6 +312,10 @@ def summary(runs: Path, out: Path) -> dict:
             entry["steps_to_none_final_val_smoothed_train"] = [
                 analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
                 for rs in seeds.values()]
+        jumps = [_redraw_jumps(col(rs, "train/bpc"), _redraw_interval(runs / f"{variant}-seed{s}"))
+                 for s, rs in seeds.items()]
+        if any(jumps):
+            entry["redraw_jump_train_bpc"] = _mean_std([statistics.mean(j) for j in jumps if j])
         result["variants"][variant] = entry
     result["none_final_val_bpc_mean"] = none_final
     if (out / "extrapolation.csv").is_file():
@@ -340,6 +344,25 @@ def summary(runs: Path, out: Path) -> dict:
     _curves_figure(variants, out / "val_bpc.png")
     print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
     return result
+
+
+def _redraw_interval(run_dir: Path) -> int:
+    return json.loads((run_dir / "config.json").read_text())["model"].get("feature_redraw_interval", 0)
+
+
+def _redraw_jumps(curve: list[tuple[int, float]], interval: int, width: int = 50) -> list[float]:
+    """Train BPC in the ``width`` steps after each FAVOR+ redraw minus the ``width`` steps before
+    it: what a new random projection costs the model at once (one value per redraw)."""
+    if not interval:
+        return []
+    last = curve[-1][0] if curve else 0
+    out = []
+    for r in range(interval, last - width + 1, interval):
+        before = [v for s, v in curve if r - width < s <= r]
+        after = [v for s, v in curve if r < s <= r + width]
+        if before and after:
+            out.append(statistics.mean(after) - statistics.mean(before))
+    return out
 
 
 def _bytes_per_step(run_dir: Path) -> int:
@@ -386,7 +409,7 @@ def tables(out: Path) -> str:
     order = [v for v in ORDER if v in s["variants"]]
     lines = ["| variant | seeds | training bytes per run | final val BPC | final test BPC | final train "
              "BPC (EMA) | steps to reach `none`'s final val BPC (val curve / smoothed train curve) | "
-             "minutes per run |", "|---|---|---|---|---|---|---|---|"]
+             "train BPC jump at a FAVOR+ redraw | minutes per run |", "|---|---|---|---|---|---|---|---|---|"]
     for v in order:
         e = s["variants"][v]
 
@@ -397,7 +420,7 @@ def tables(out: Path) -> str:
         lines.append(f"| `{v}` | {len(e['seeds'])} | {', '.join(f'{b / 1e6:.1f}M' for b in tb) or '–'} | "
                      f"{ms(e['final_val_bpc'])} | {ms(e['final_test_bpc'])} | "
                      f"{ms(e.get('final_train_bpc_smoothed'))} | {reach('steps_to_none_final_val')} / "
-                     f"{reach('steps_to_none_final_val_smoothed_train')} | "
+                     f"{reach('steps_to_none_final_val_smoothed_train')} | {ms(e.get('redraw_jump_train_bpc'))} | "
                      f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
     ext = s.get("extrapolation_test_bpc")
     if ext:
