@@ -179,6 +179,40 @@ def test_non_finite_stops_at_that_step_and_names_the_last_good_checkpoint(
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
 
 
+def test_on_nonfinite_skip_skips_those_updates_and_logs_them(tmp_path, corpus, monkeypatch):
+    """NaN gradients at steps 5 and 6: with --on-nonfinite skip the weights do not move at those
+    steps, the run goes on to the end, and the count is in the metrics and TensorBoard; 20 in a
+    row still stop it."""
+    forward, calls = PerformerLM.forward, {"n": 0}
+    poison = {5, 6}
+
+    def poisoned(self, x, *a, **kw):
+        logits = forward(self, x, *a, **kw)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] in poison:
+                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
+        return logits
+
+    monkeypatch.setattr(PerformerLM, "forward", poisoned)
+    out = tmp_path / "runs"
+    code, _, err = run_main(common(corpus, tmp_path, 10, "--out", str(out), "--checkpoint-every", "1",
+                                   "--keep-checkpoints", "20", "--on-nonfinite", "skip"))
+    assert code == 0, err
+    assert "step 5: non-finite gradient norm (nan), update skipped (1 so far)" in err
+    weights = {s: load_checkpoint(p)["model"] for s, p in list_checkpoints(out / "rope-seed0")}
+    for a, b, same in ((4, 5, True), (5, 6, True), (6, 7, False), (3, 4, False)):
+        params = [k for k in weights[a] if "projection" not in k]  # FAVOR+ redraws move the buffers
+        assert all(torch.equal(weights[a][k], weights[b][k]) for k in params) == same, (a, b)
+    ckpt = load_checkpoint(latest_checkpoint(out / "rope-seed0"))
+    assert ckpt["step"] == 10 and ckpt["metrics"]["skipped_steps"] == 2
+    assert 5 not in {s for s, _ in raw_losses(out / "rope-seed0")}  # no NaN in the curves
+
+    calls["n"], poison = 0, set(range(3, 40))
+    code, _, err = run_main(common(corpus, tmp_path, 30, "--out", str(tmp_path / "r2"), "--on-nonfinite", "skip"))
+    assert code == trainer.EXIT_NONFINITE and "at step 23 (20 skipped in a row before it)" in err
+
+
 class Exploit:
     """Unpickling this calls ``open(marker, "w")``: a stand-in for any code execution."""
 

@@ -11,6 +11,7 @@ __all__ = ["ConfigError", "TrainConfig", "TRAIN_PRESETS", "RESUMABLE", "MAX_SEQ_
            "check_model", "resume_diffs", "PRECISIONS"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
+NONFINITE = ("stop", "skip")
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,7 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     threads: int | None = None  # torch CPU threads (None: the idle cores at start, see runtime.py)
     deterministic: bool = False  # torch.use_deterministic_algorithms (bitwise-repeatable runs)
+    on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm stops the run, or skips that update (20 in a row stop it)
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "grad_accum", "eval_batch_size", "log_every",
@@ -56,6 +58,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.on_nonfinite not in NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for f in ("decay_steps", "threads"):
@@ -84,7 +88,7 @@ assert set(TRAIN_PRESETS) == set(MODEL_PRESETS)
 # Train fields a --resume may change: they do not alter the training trajectory.
 RESUMABLE = {"steps", "eval_every", "eval_batch_size", "log_every", "checkpoint_every",
              "keep_checkpoints", "data", "data_dir", "out", "device", "compile", "precision",
-             "threads", "deterministic"}
+             "threads", "deterministic", "on_nonfinite"}
 
 # A sanity cap on --seq-len per preset (16x its training length): a typo such as --seq-len 1024000
 # fails at once instead of allocating for minutes. Evaluation at longer windows has no cap.

@@ -39,6 +39,7 @@ __all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_o
 
 FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
 EXIT_NONFINITE = 3
+MAX_SKIPS_IN_A_ROW = 20  # --on-nonfinite skip: this many non-finite steps in a row still stop the run
 
 
 class NonFiniteError(Exception):
@@ -163,6 +164,7 @@ class Trainer:
         self.state = TrainState(model, make_optimizer(model, tc), data_gen, feature_gen, config, dd)
         self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
         self.writer, self.progress = None, None
+        self.skipped, self._skip_run = False, 0  # --on-nonfinite skip: this step, and the run of them
 
     def resume(self) -> bool:
         """Load the run dir's newest checkpoint, if any, after the one resume check."""
@@ -205,7 +207,10 @@ class Trainer:
             for step in range(st.step, tc.steps):
                 loss, grad_norm, stop_now = self.train_step(step)
                 st.step = done = step + 1
-                self._log_train(loss, grad_norm)
+                if self.skipped:
+                    self._log_skip(loss, grad_norm)
+                else:
+                    self._log_train(loss, grad_norm)
                 last = done == tc.steps
                 evaluated = bool(tc.eval_every and done % tc.eval_every == 0) or last
                 if evaluated:
@@ -255,13 +260,21 @@ class Trainer:
             dist.all_reduce(stats)
             stats[0] /= dd.world
         loss_v, bad, stop_now = stats.tolist()
+        self.skipped = bool(bad) and tc.on_nonfinite == "skip" and self._skip_run < MAX_SKIPS_IN_A_ROW
+        if self.skipped:  # every rank saw the same flag: all skip this update together
+            self._skip_run += 1
+            st.metrics["skipped_steps"] = st.metrics.get("skipped_steps", 0) + 1
+            st.optimizer.zero_grad(set_to_none=True)
+            return loss_v, grad_norm.item(), bool(stop_now)
         if bad:
             what = "loss" if not math.isfinite(loss_v) else "gradient norm"
             good = latest_checkpoint(self.run_dir)
             where = (f"last good checkpoint: {good} (resume from it with --resume, e.g. with a "
                      f"lower --lr)" if good else "no checkpoint was written yet")
-            raise NonFiniteError(f"{self.name}: non-finite {what} at step {step + 1}; the update "
+            again = f" ({MAX_SKIPS_IN_A_ROW} skipped in a row before it)" if self._skip_run else ""
+            raise NonFiniteError(f"{self.name}: non-finite {what} at step {step + 1}{again}; the update "
                                  f"was not applied and the run stopped; {where}")
+        self._skip_run = 0
         st.optimizer.step()
         return loss_v, grad_norm.item(), bool(stop_now)
 
@@ -312,6 +325,14 @@ class Trainer:
                     self.writer.add_scalar(tag, v, done)
             self._t0, self._n = time.perf_counter(), 0
         self.progress.update(done, loss=f"{loss:.4f}", bpc=f"{bpc:.3f}")
+
+    def _log_skip(self, loss: float, grad_norm: float) -> None:
+        n = self.state.metrics["skipped_steps"]
+        if self.writer is not None:
+            self.writer.add_scalar("train/skipped_steps", n, self.state.step)
+        self.progress.write(f"{self.name} step {self.state.step}: non-finite "
+                            f"{'loss' if not math.isfinite(loss) else f'gradient norm ({grad_norm})'}, "
+                            f"update skipped ({n} so far)")
 
     def _log_eval(self, last: bool) -> None:
         st, t = self.state, time.perf_counter()
