@@ -127,6 +127,7 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     rows = [r for r in plots.read_csv(out / "rowsums_lengths.csv") if r["run"] == "rope-seed0"]
     assert [int(r["factor"]) for r in rows] == [1, 2, 4, 8]
     assert summary["variants"]["rope"]["train_bytes"] == [6 * 4 * 32] * 2  # steps x batch x L
+    assert summary["variants"]["rope"]["skipped_steps"] == [0, 0]
     table = plots.tables(out)
     assert "| `rope` | 2 | 0.0M |" in table and "test BPC at 8L" in table and "mean abs(row sum" in table
     assert "| `rope_norm` (n=2) |" in table and "at 8L: mean" in table

@@ -37,7 +37,7 @@ COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_p
           "rope_norm": "tab:purple"}
 ORDER = ("rope", "rope_pre", "rope_norm", "absolute", "none")
 FACTORS = (1, 2, 4, 8)
-TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc")
+TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc", "train/skipped_steps")
 
 
 class ResultsError(Exception):
@@ -305,7 +305,10 @@ def summary(runs: Path, out: Path) -> dict:
                  "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
                                                         for rs in seeds.values()]),
                  "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(runs / f"{variant}-seed{s}")
-                                 for s, rs in seeds.items()]}
+                                 for s, rs in seeds.items()],
+                 # updates skipped as non-finite (--on-nonfinite skip), per seed
+                 "skipped_steps": [int(c[-1][1]) if (c := col(rs, "train/skipped_steps")) else 0
+                                   for rs in seeds.values()]}
         if none_final is not None:
             entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
                                                 for rs in seeds.values()]
@@ -372,7 +375,7 @@ def _bytes_per_step(run_dir: Path) -> int:
 
 
 def _col(rows, tag):
-    return [(int(r["step"]), float(r[tag])) for r in rows if r[tag]]
+    return [(int(r["step"]), float(r[tag])) for r in rows if r.get(tag)]
 
 
 def _curves_figure(variants: dict, path: Path) -> None:
@@ -409,7 +412,8 @@ def tables(out: Path) -> str:
     order = [v for v in ORDER if v in s["variants"]]
     lines = ["| variant | seeds | training bytes per run | final val BPC | final test BPC | final train "
              "BPC (EMA) | steps to reach `none`'s final val BPC (val curve / smoothed train curve) | "
-             "train BPC jump at a FAVOR+ redraw | minutes per run |", "|---|---|---|---|---|---|---|---|---|"]
+             "train BPC jump at a FAVOR+ redraw | updates skipped (non-finite) | minutes per run |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for v in order:
         e = s["variants"][v]
 
@@ -421,6 +425,7 @@ def tables(out: Path) -> str:
                      f"{ms(e['final_val_bpc'])} | {ms(e['final_test_bpc'])} | "
                      f"{ms(e.get('final_train_bpc_smoothed'))} | {reach('steps_to_none_final_val')} / "
                      f"{reach('steps_to_none_final_val_smoothed_train')} | {ms(e.get('redraw_jump_train_bpc'))} | "
+                     f"{', '.join(str(n) for n in e['skipped_steps']) if 'skipped_steps' in e else '–'} | "
                      f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
     ext = s.get("extrapolation_test_bpc")
     if ext:
