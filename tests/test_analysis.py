@@ -139,9 +139,32 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     assert any(t.startswith("attention/row_sums") for t in ea.Tags()["images"])
 
 
+def test_results_accumulate_across_run_dirs(tmp_path, corpus):
+    """Runs exported from two run dirs (two sessions whose run dirs did not survive) end up in
+    one summary: curves, extrapolation and row sums of the first stay when the second is added."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results"
+    for variant, seed in (("rope", 0), ("none", 1)):
+        runs = tmp_path / f"runs-{variant}"
+        code, _, err = run_main(["--preset", "tiny", "--variants", variant, "--seeds", str(seed),
+                                 "--steps", "4", "--eval-every", "2", "--data", str(corpus),
+                                 "--data-dir", str(tmp_path / "data"), "--out", str(runs)])
+        assert code == 0, err
+        for what in ("export", "extrapolate", "rowsums", "attention", "summary"):
+            assert plots.main([what, "--runs", str(runs), "--data", str(corpus), "--data-dir",
+                               str(tmp_path / "data"), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["variants"]) == {"rope", "none"}
+    assert summary["variants"]["none"]["seeds"] == [1]
+    assert set(summary["extrapolation_test_bpc"]) == {"rope", "none"}
+    assert {r["run"] for r in plots.read_csv(out / "rowsums_lengths.csv")} == {"rope-seed0", "none-seed1"}
+    assert set(json.loads((out / "runs.json").read_text())) == {"rope-seed0", "none-seed1"}
+    assert plots.main(["tables", "--runs", str(tmp_path / "gone"), "--out", str(out)]) == 0  # no run dir needed
+
+
 def test_plots_cli_bad_runs_dir_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        plots.main(["summary", "--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "r")])
+        plots.main(["export", "--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "r")])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a directory" in err[0]

@@ -97,15 +97,26 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def export(runs: Path, out: Path) -> None:
-    """One wide CSV per run: step, then one column per tag (empty where not logged)."""
-    for name in find_runs(runs):
+    """One wide CSV per run: step, then one column per tag (empty where not logged); and each
+    run's facts in ``runs.json``. Runs exported earlier (from another run dir, another session)
+    stay: the results accumulate, and ``summary`` reads them all from ``out``."""
+    meta = _read_meta(out)
+    for name, (variant, seed) in find_runs(runs).items():
         scalars = analysis.read_scalars(runs / name)
         steps = sorted({s for tag in TAGS for s, _ in scalars.get(tag, [])})
         by_tag = {tag: dict(scalars.get(tag, [])) for tag in TAGS}
         write_csv(out / "curves" / f"{name}.csv", ["step", *TAGS],
                   ([s, *(f"{by_tag[t][s]:.6g}" if s in by_tag[t] else "" for t in TAGS)]
                    for s in steps))
-    print(f"wrote {out / 'curves'}/*.csv", file=sys.stderr)
+        cfg = json.loads((runs / name / "config.json").read_text())
+        meta[name] = {"variant": variant, "seed": seed, "config": cfg,
+                      "wall_minutes": round(analysis.wall_seconds(runs / name) / 60, 1)}
+    atomic_write(out / "runs.json", json.dumps(dict(sorted(meta.items())), indent=1) + "\n")
+    print(f"wrote {out / 'curves'}/*.csv, {out / 'runs.json'}", file=sys.stderr)
+
+
+def _read_meta(out: Path) -> dict:
+    return json.loads((out / "runs.json").read_text()) if (out / "runs.json").is_file() else {}
 
 
 def _final_models(runs: Path):
@@ -124,8 +135,9 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
     if (out / "extrapolation.csv").is_file():
         done = {(r["run"], r["step"]): [r[h] for h in header]
                 for r in read_csv(out / "extrapolation.csv") if list(r) == header}
-    rows = []
-    for name, (variant, seed) in find_runs(runs).items():
+    present = find_runs(runs)
+    rows = [r for (name, _), r in done.items() if name not in present]  # exported in another session
+    for name, (variant, seed) in present.items():
         path = resolve_checkpoint(runs / name)
         ckpt = load_checkpoint(path)
         if (name, str(ckpt["step"])) in done:
@@ -166,6 +178,9 @@ def attention(runs: Path, out: Path, corpus: str, data_dir: str, layer: int | No
     plt = _plt()
     test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
     models = [m for m in _final_models(runs) if m[2] == 0]
+    if not models:
+        print(f"attention: no seed-0 run in {runs}; its figures stay as they are", file=sys.stderr)
+        return
     rows, sums = [], {}
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 4), squeeze=False)
     for ax, (name, variant, _, _, model) in zip(axes[0], models):
@@ -225,7 +240,11 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
     test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
     header = ["run", "variant", "seed", "step", "factor", "mean", "p05", "min", "mean_last_L",
               "frac_below_floor"]
+    present = find_runs(runs)
     rows, curves, n_windows = [], {}, 0
+    if (out / "rowsums_lengths.csv").is_file():  # runs measured in another session stay
+        rows = [[r[h] for h in header] for r in read_csv(out / "rowsums_lengths.csv")
+                if r["run"] not in present and list(r) == header]
     for name, variant, seed, path, model in _final_models(runs):
         L, step = model.cfg.seq_len, load_checkpoint(path)["step"]
         for f in factors:
@@ -241,10 +260,11 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
                          f"{(flat < ROW_SUM_FLOOR).double().mean():.5f}"])
             if f == max(factors) and seed == 0:
                 curves[variant], n_windows = sums.mean((0, 1, 2)), windows
-        print(f"{name}: row sums at " + ", ".join(f"{r[4]}L {r[5]}" for r in rows if r[0] == name), file=sys.stderr)
-    if not rows:
-        raise ResultsError(f"no finished runs in {runs}")
+        print(f"{name}: row sums at " + ", ".join(f"{r[4]}L {r[5]}" for r in rows if r[0] == name),
+              file=sys.stderr)
     write_csv(out / "rowsums_lengths.csv", header, rows)
+    if not curves:
+        return  # no seed-0 run here: the figure of an earlier session stays
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant in [v for v in ORDER if v in curves]:
@@ -284,10 +304,13 @@ def _mean_std(xs: list[float]) -> dict:
 
 def summary(runs: Path, out: Path) -> dict:
     """summary.json from the exported curves (and extrapolation.csv when present); val figure."""
-    curves = {name: read_csv(out / "curves" / f"{name}.csv") for name in find_runs(runs)}
-    variants = defaultdict(dict)
-    for name, (variant, seed) in find_runs(runs).items():
-        variants[variant][seed] = curves[name]
+    meta = _read_meta(out)
+    if not meta:
+        raise ResultsError(f"no exported runs in {out} (run export first)")
+    variants, cfgs = defaultdict(dict), {}
+    for name, m in meta.items():
+        variants[m["variant"]][m["seed"]] = read_csv(out / "curves" / f"{name}.csv")
+        cfgs[name] = m
 
     col = _col
     result = {"variants": {}}
@@ -298,13 +321,12 @@ def summary(runs: Path, out: Path) -> dict:
         val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
         test = [col(rs, "test/bpc")[-1][1] for rs in seeds.values() if col(rs, "test/bpc")]
         entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
-                 "wall_minutes": [round(analysis.wall_seconds(runs / f"{variant}-seed{s}") / 60, 1)
-                                  for s in seeds],
+                 "wall_minutes": [cfgs[f"{variant}-seed{s}"]["wall_minutes"] for s in seeds],
                  "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
                  # the training BPC of the last few hundred steps (EMA) beside val: do they part?
                  "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
                                                         for rs in seeds.values()]),
-                 "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(runs / f"{variant}-seed{s}")
+                 "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(cfgs[f"{variant}-seed{s}"]["config"])
                                  for s, rs in seeds.items()],
                  # updates skipped as non-finite (--on-nonfinite skip), per seed
                  "skipped_steps": [int(c[-1][1]) if (c := col(rs, "train/skipped_steps")) else 0
@@ -315,7 +337,8 @@ def summary(runs: Path, out: Path) -> dict:
             entry["steps_to_none_final_val_smoothed_train"] = [
                 analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
                 for rs in seeds.values()]
-        jumps = [_redraw_jumps(col(rs, "train/bpc"), _redraw_interval(runs / f"{variant}-seed{s}"))
+        jumps = [_redraw_jumps(col(rs, "train/bpc"),
+                               cfgs[f"{variant}-seed{s}"]["config"]["model"].get("feature_redraw_interval", 0))
                  for s, rs in seeds.items()]
         if any(jumps):
             entry["redraw_jump_train_bpc"] = _mean_std([statistics.mean(j) for j in jumps if j])
@@ -349,10 +372,6 @@ def summary(runs: Path, out: Path) -> dict:
     return result
 
 
-def _redraw_interval(run_dir: Path) -> int:
-    return json.loads((run_dir / "config.json").read_text())["model"].get("feature_redraw_interval", 0)
-
-
 def _redraw_jumps(curve: list[tuple[int, float]], interval: int, width: int = 50) -> list[float]:
     """Train BPC in the ``width`` steps after each FAVOR+ redraw minus the ``width`` steps before
     it: what a new random projection costs the model at once (one value per redraw)."""
@@ -368,8 +387,7 @@ def _redraw_jumps(curve: list[tuple[int, float]], interval: int, width: int = 50
     return out
 
 
-def _bytes_per_step(run_dir: Path) -> int:
-    cfg = json.loads((run_dir / "config.json").read_text())
+def _bytes_per_step(cfg: dict) -> int:
     t = cfg["train"]
     return t["batch_size"] * t["grad_accum"] * cfg["model"]["seq_len"] * cfg.get("world_size", 1)
 
@@ -485,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.what != "decay" and not runs.is_dir():
+    if args.what not in ("decay", "summary", "tables") and not runs.is_dir():
         p.exit(2, f"{p.prog}: error: --runs {runs} is not a directory\n")
     try:
         if args.what in ("all", "export"):
