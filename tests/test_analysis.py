@@ -162,6 +162,34 @@ def test_results_accumulate_across_run_dirs(tmp_path, corpus):
     assert plots.main(["tables", "--runs", str(tmp_path / "gone"), "--out", str(out)]) == 0  # no run dir needed
 
 
+def test_a_run_that_a_non_finite_step_stopped_is_reported_with_its_last_checkpoint(tmp_path, corpus, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from linear_rope.model import PerformerLM as LM
+
+    forward, calls = LM.forward, {"n": 0}
+
+    def poisoned(self, x, *a, **kw):
+        logits = forward(self, x, *a, **kw)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 5:
+                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
+        return logits
+
+    monkeypatch.setattr(LM, "forward", poisoned)
+    runs, out = tmp_path / "runs", tmp_path / "results"
+    code, _, err = run_main(["--preset", "tiny", "--variants", "rope", "--steps", "8", "--eval-every", "2",
+                             "--data", str(corpus), "--data-dir", str(tmp_path / "data"), "--out", str(runs)])
+    assert code == 3, err
+    for what in ("export", "extrapolate", "summary"):
+        assert plots.main([what, "--runs", str(runs), "--data", str(corpus), "--data-dir",
+                           str(tmp_path / "data"), "--out", str(out)]) == 0
+    rope = json.loads((out / "summary.json").read_text())["variants"]["rope"]
+    assert rope["ended_nonfinite_at_step"] == [5] and rope["train_bytes"] == [4 * 4 * 32]
+    assert all(r["bpc_1L"] and r["bpc_8L"] for r in plots.read_csv(out / "extrapolation.csv"))
+    assert "(stopped: non-finite at step 5)" in plots.tables(out)
+
+
 def test_plots_cli_bad_runs_dir_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         plots.main(["export", "--runs", str(tmp_path / "nope"), "--out", str(tmp_path / "r")])

@@ -5,6 +5,7 @@ Training runs here use the ``tiny`` preset on a 64 KB cut of the shared sample, 
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shlex
@@ -174,6 +175,8 @@ def test_non_finite_stops_at_that_step_and_names_the_last_good_checkpoint(
     assert f"non-finite {'loss' if where == 'loss' else 'gradient norm'} at step 5" in lines[-1]
     assert "ckpt-00000004.pt" in lines[-1]
     assert [s for s, _ in list_checkpoints(run_dir)] == [2, 4]  # nothing saved after the NaN
+    ended = json.loads((run_dir / trainer.NONFINITE_FILE).read_text())
+    assert ended["step"] == 5 and ended["last_checkpoint"] == "ckpt-00000004.pt"
     assert max(s for s, _ in raw_losses(run_dir)) == 4
     ckpt = load_checkpoint(latest_checkpoint(run_dir))
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())

@@ -35,10 +35,11 @@ from .files import atomic_write
 from .runtime import Dist, Progress, StopSignals, param_digest
 
 __all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer",
-           "NonFiniteError", "EXIT_NONFINITE", "FEATURE_SEED_OFFSET"]
+           "NonFiniteError", "EXIT_NONFINITE", "FEATURE_SEED_OFFSET", "NONFINITE_FILE"]
 
 FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
 EXIT_NONFINITE = 3
+NONFINITE_FILE = "nonfinite.json"  # written into a run dir that a non-finite step stopped
 MAX_SKIPS_IN_A_ROW = 20  # --on-nonfinite skip: this many non-finite steps in a row still stop the run
 
 
@@ -201,6 +202,8 @@ class Trainer:
                       f"skipping", file=sys.stderr)
             return {"step": st.step, **st.metrics, "stopped": None}
         st.metrics["test_bpc"] = None  # of the shorter run; measured again at the new end
+        if self.dd.lead:
+            (self.run_dir / NONFINITE_FILE).unlink(missing_ok=True)  # it goes on from here
         self._open()
         stopped = None
         try:
@@ -272,6 +275,10 @@ class Trainer:
             where = (f"last good checkpoint: {good} (resume from it with --resume, e.g. with a "
                      f"lower --lr)" if good else "no checkpoint was written yet")
             again = f" ({MAX_SKIPS_IN_A_ROW} skipped in a row before it)" if self._skip_run else ""
+            if dd.lead:  # the run dir says how it ended, for the results (a resume removes it)
+                atomic_write(self.run_dir / NONFINITE_FILE, json.dumps(
+                    {"step": step + 1, "what": what, "skipped_in_a_row": self._skip_run,
+                     "last_checkpoint": good and good.name}) + "\n")
             raise NonFiniteError(f"{self.name}: non-finite {what} at step {step + 1}{again}; the update "
                                  f"was not applied and the run stopped; {where}")
         self._skip_run = 0

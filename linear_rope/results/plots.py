@@ -30,6 +30,7 @@ from ..enwik8.checkpoint import CheckpointError, load_checkpoint, resolve_checkp
 from ..enwik8.cli import OneLineParser
 from ..enwik8.files import atomic_write
 from ..enwik8.sample import load_model
+from ..enwik8.trainer import NONFINITE_FILE
 from . import analysis
 
 RUN = re.compile(r"^(?P<variant>[a-z_]+)-seed(?P<seed>\d+)$")
@@ -68,6 +69,10 @@ def find_runs(runs: Path) -> dict[str, tuple[str, int]]:
             done = False
         if done:
             found[p.name] = (m["variant"], int(m["seed"]))
+        elif (p / NONFINITE_FILE).is_file():
+            found[p.name] = (m["variant"], int(m["seed"]))
+            print(f"{p.name}: stopped by a non-finite step at {_ended(p)['step']}; included with its "
+                  f"newest checkpoint", file=sys.stderr)
         else:
             print(f"leaving out {p.name}: not finished", file=sys.stderr)
     if not found:
@@ -96,6 +101,12 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def _ended(run_dir: Path) -> dict | None:
+    """How a non-finite step ended the run (``trainer.NONFINITE_FILE``), or None."""
+    p = run_dir / NONFINITE_FILE
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
 def export(runs: Path, out: Path) -> None:
     """One wide CSV per run: step, then one column per tag (empty where not logged); and each
     run's facts in ``runs.json``. Runs exported earlier (from another run dir, another session)
@@ -110,7 +121,8 @@ def export(runs: Path, out: Path) -> None:
                    for s in steps))
         cfg = json.loads((runs / name / "config.json").read_text())
         meta[name] = {"variant": variant, "seed": seed, "config": cfg,
-                      "wall_minutes": round(analysis.wall_seconds(runs / name) / 60, 1)}
+                      "wall_minutes": round(analysis.wall_seconds(runs / name) / 60, 1),
+                      "ended_nonfinite": _ended(runs / name)}
     atomic_write(out / "runs.json", json.dumps(dict(sorted(meta.items())), indent=1) + "\n")
     print(f"wrote {out / 'curves'}/*.csv, {out / 'runs.json'}", file=sys.stderr)
 
@@ -145,8 +157,9 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
             continue
         model = load_model(path)
         L = model.cfg.seq_len
-        bpc = {L: ckpt["metrics"]["test_bpc"],
-               **analysis.bpc_at_lengths(model, test, [f * L for f in factors if f != 1])}
+        done_test = ckpt["metrics"].get("test_bpc")  # None where a non-finite step ended the run
+        bpc = analysis.bpc_at_lengths(model, test, [f * L for f in factors if f != 1 or done_test is None])
+        bpc.setdefault(L, done_test)
         rows.append([name, variant, seed, ckpt["step"],
                      *("" if bpc[f * L] is None else f"{bpc[f * L]:.5f}" for f in factors)])
         write_csv(out / "extrapolation.csv", header, rows)  # progress survives an interruption
@@ -328,6 +341,8 @@ def summary(runs: Path, out: Path) -> dict:
                                                         for rs in seeds.values()]),
                  "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(cfgs[f"{variant}-seed{s}"]["config"])
                                  for s, rs in seeds.items()],
+                 "ended_nonfinite_at_step": [(cfgs[f"{variant}-seed{s}"].get("ended_nonfinite") or {}).get("step")
+                                             for s in seeds],
                  # updates skipped as non-finite (--on-nonfinite skip), per seed
                  "skipped_steps": [int(c[-1][1]) if (c := col(rs, "train/skipped_steps")) else 0
                                    for rs in seeds.values()]}
@@ -438,8 +453,10 @@ def tables(out: Path) -> str:
         def reach(key):
             xs = e.get(key) or []
             return ", ".join("never" if x is None else f"{x:.0f}" for x in xs) or "–"
-        tb = sorted(set(e.get("train_bytes") or []))
-        lines.append(f"| `{v}` | {len(e['seeds'])} | {', '.join(f'{b / 1e6:.1f}M' for b in tb) or '–'} | "
+        ended = e.get("ended_nonfinite_at_step") or [None] * len(e.get("train_bytes") or [])
+        tb = sorted(set(f"{b / 1e6:.1f}M" + (f" (stopped: non-finite at step {x})" if x else "")
+                        for b, x in zip(e.get("train_bytes") or [], ended)))
+        lines.append(f"| `{v}` | {len(e['seeds'])} | {', '.join(tb) or '–'} | "
                      f"{ms(e['final_val_bpc'])} | {ms(e['final_test_bpc'])} | "
                      f"{ms(e.get('final_train_bpc_smoothed'))} | {reach('steps_to_none_final_val')} / "
                      f"{reach('steps_to_none_final_val_smoothed_train')} | {ms(e.get('redraw_jump_train_bpc'))} | "
