@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ..features import key_exponent_floor
+
 __all__ = ["KEEP_FEATURES_BYTES", "use_compile"]
 
 # What the forward keeps for the backward (see ``_keep_plan``) stays under this size; the rest
@@ -52,7 +54,11 @@ def _phi(xc, w_aug, scale, is_query, kmc, out=None):
     a = torch.matmul(xa, w_aug.t(), out=out)  # (nc, BH, C, m)
     if is_query:
         a -= a.amax(-1, keepdim=True)
-    return a.exp_(), xs
+        return a.exp_(), xs
+    a.clamp_min_(key_exponent_floor(a.dtype)).exp_()  # see features.key_exponent_floor
+    if kmc is not None:  # the floor lifted the masked keys' -1e30: back to 0 exactly
+        a.mul_(kmc.unsqueeze(-1))
+    return a, xs
 
 
 def _featurize(xq, xk, kmc, w, wq, wk, scale, keep=None, kept=None):
