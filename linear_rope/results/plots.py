@@ -341,6 +341,9 @@ def summary(runs: Path, out: Path) -> dict:
                                                         for rs in seeds.values()]),
                  "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(cfgs[f"{variant}-seed{s}"]["config"])
                                  for s, rs in seeds.items()],
+                 "val_bpc_by_step": {str(step): _mean_std([dict(col(rs, "val/bpc"))[step] for rs in seeds.values()
+                                                           if step in dict(col(rs, "val/bpc"))])
+                                     for step in sorted({st for rs in seeds.values() for st, _ in col(rs, "val/bpc")})},
                  "ended_nonfinite_at_step": [(cfgs[f"{variant}-seed{s}"].get("ended_nonfinite") or {}).get("step")
                                              for s in seeds],
                  # updates skipped as non-finite (--on-nonfinite skip), per seed
@@ -462,6 +465,15 @@ def tables(out: Path) -> str:
                      f"{reach('steps_to_none_final_val_smoothed_train')} | {ms(e.get('redraw_jump_train_bpc'))} | "
                      f"{', '.join(str(n) for n in e['skipped_steps']) if 'skipped_steps' in e else '–'} | "
                      f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
+    by_step = {v: s["variants"][v].get("val_bpc_by_step") for v in order}
+    steps = sorted({int(k) for d in by_step.values() if d for k in d})
+    if steps:
+        lines += ["", "| val BPC at step | " + " | ".join(str(x) for x in steps) + " |",
+                  "|---|" + "---|" * len(steps)]
+        for v in order:
+            d = by_step[v] or {}
+            lines.append(f"| `{v}` | " + " | ".join(f"{d[str(x)]['mean']:.3f}" if str(x) in d else "–"
+                                                   for x in steps) + " |")
     ext = s.get("extrapolation_test_bpc")
     if ext:
         cols = ["1L", "2L", "4L", "8L"]
