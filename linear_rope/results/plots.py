@@ -111,8 +111,11 @@ def export(runs: Path, out: Path) -> None:
     """One wide CSV per run: step, then one column per tag (empty where not logged); and each
     run's facts in ``runs.json``. Runs exported earlier (from another run dir, another session)
     stay: the results accumulate, and ``summary`` reads them all from ``out``."""
-    meta = _read_meta(out)
-    for name, (variant, seed) in find_runs(runs).items():
+    meta, found = _read_meta(out), find_runs(runs)
+    for name in [n for n in meta if (runs / n).is_dir() and n not in found]:
+        del meta[name]  # exported before, unfinished again now (resumed): out until it finishes
+        (out / "curves" / f"{name}.csv").unlink(missing_ok=True)
+    for name, (variant, seed) in found.items():
         scalars = analysis.read_scalars(runs / name)
         steps = sorted({s for tag in TAGS for s, _ in scalars.get(tag, [])})
         by_tag = {tag: dict(scalars.get(tag, [])) for tag in TAGS}
