@@ -60,3 +60,29 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float = 120.0, poll: float =
         time.sleep(poll)
 
 
+
+
+def poison_training_forward(monkeypatch, calls, where: str = "grad") -> dict:
+    """Make the training forwards of PerformerLM numbered in ``calls`` (1-based) non-finite.
+
+    ``where="loss"`` returns NaN logits (so a NaN loss); ``where="grad"`` keeps the
+    loss finite and makes only the gradient w.r.t. the logits NaN. Returns the state
+    ``{"n": forwards so far, "calls": set}``, which a test may reset between runs.
+    """
+    import torch
+    from linear_rope.model import PerformerLM
+
+    forward, state = PerformerLM.forward, {"n": 0, "calls": set(calls)}
+
+    def poisoned(self, x, *a, **kw):
+        logits = forward(self, x, *a, **kw)
+        if self.training:
+            state["n"] += 1
+            if state["n"] in state["calls"]:
+                if where == "loss":
+                    return logits * float("nan")
+                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
+        return logits
+
+    monkeypatch.setattr(PerformerLM, "forward", poisoned)
+    return state

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, SHIM, losses, raw_losses, run_main, wait_for
+from helpers import ENV, ROOT, SHIM, losses, poison_training_forward, raw_losses, run_main, wait_for
 from linear_rope.enwik8 import checkpoint, trainer
 from linear_rope.enwik8.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
-from linear_rope.model import PerformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,19 +152,7 @@ def test_kill_9_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path, 
 def test_non_finite_stops_at_that_step_and_names_the_last_good_checkpoint(
         tmp_path, corpus, monkeypatch, where):
     """NaN logits (so a NaN loss) or a NaN gradient only, injected at step 5."""
-    forward, calls = PerformerLM.forward, {"n": 0}
-
-    def poisoned(self, x, *a, **kw):
-        logits = forward(self, x, *a, **kw)
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] == 5:
-                if where == "loss":
-                    return logits * float("nan")
-                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
-        return logits
-
-    monkeypatch.setattr(PerformerLM, "forward", poisoned)
+    poison_training_forward(monkeypatch, {5}, where=where)
     run_dir = tmp_path / "runs" / "rope-seed0"
     code, _, err = run_main(common(corpus, tmp_path, 10, "--out", str(tmp_path / "runs"),
                                    "--checkpoint-every", "2"))
@@ -186,18 +173,7 @@ def test_on_nonfinite_skip_skips_those_updates_and_logs_them(tmp_path, corpus, m
     """NaN gradients at steps 5 and 6: with --on-nonfinite skip the weights do not move at those
     steps, the run goes on to the end, and the count is in the metrics and TensorBoard; 20 in a
     row still stop it."""
-    forward, calls = PerformerLM.forward, {"n": 0}
-    poison = {5, 6}
-
-    def poisoned(self, x, *a, **kw):
-        logits = forward(self, x, *a, **kw)
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] in poison:
-                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
-        return logits
-
-    monkeypatch.setattr(PerformerLM, "forward", poisoned)
+    poison = poison_training_forward(monkeypatch, {5, 6})
     out = tmp_path / "runs"
     code, _, err = run_main(common(corpus, tmp_path, 10, "--out", str(out), "--checkpoint-every", "1",
                                    "--keep-checkpoints", "20", "--on-nonfinite", "skip"))
@@ -211,7 +187,7 @@ def test_on_nonfinite_skip_skips_those_updates_and_logs_them(tmp_path, corpus, m
     assert ckpt["step"] == 10 and ckpt["metrics"]["skipped_steps"] == 2
     assert 5 not in {s for s, _ in raw_losses(out / "rope-seed0")}  # no NaN in the curves
 
-    calls["n"], poison = 0, set(range(3, 40))
+    poison.update(n=0, calls=set(range(3, 40)))
     code, _, err = run_main(common(corpus, tmp_path, 30, "--out", str(tmp_path / "r2"), "--on-nonfinite", "skip"))
     assert code == trainer.EXIT_NONFINITE and "at step 23 (20 skipped in a row before it)" in err
 
