@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import run_main
+from helpers import poison_training_forward, run_main
 from linear_rope import apply_rotary, rotary_linear_attention
 from linear_rope.enwik8 import data, trainer
 from linear_rope.results import analysis, plots
@@ -124,13 +124,23 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     assert set(rl["rope"]) == {"1L", "2L", "4L", "8L"} and rl["rope"]["8L"]["mean"]["n"] == 2
     assert rl["none"]["8L"]["min"]["mean"] == 1.0 and rl["rope"]["1L"]["min"]["mean"] != 1.0
     assert rl["rope_norm"]["1L"]["p05"]["mean"] == pytest.approx(1.0, abs=1e-9)  # floored rows aside
+    assert rl["none"]["8L"]["median"]["mean"] == rl["none"]["8L"]["p95"]["mean"] == rl["none"]["8L"]["max"]["mean"] == 1.0
+    assert rl["none"]["4L"]["frac_abs_above_2"]["mean"] == 0.0
+    r = rl["rope"]["2L"]
+    assert r["min"]["mean"] <= r["p05"]["mean"] <= r["median"]["mean"] <= r["p95"]["mean"] <= r["max"]["mean"]
     rows = [r for r in plots.read_csv(out / "rowsums_lengths.csv") if r["run"] == "rope-seed0"]
     assert [int(r["factor"]) for r in rows] == [1, 2, 4, 8]
     assert summary["variants"]["rope"]["train_bytes"] == [6 * 4 * 32] * 2  # steps x batch x L
     assert summary["variants"]["rope"]["skipped_steps"] == [0, 0]
     table = plots.tables(out)
     assert "| `rope` | 2 | 0.0M |" in table and "test BPC at 8L" in table and "mean abs(row sum" in table
-    assert "| `rope_norm` (n=2) |" in table and "at 8L: mean" in table
+    assert "| `rope_norm` (n=2) |" in table and "at 8L: median (5th, 95th pct)" in table
+    best = rope["best_val_bpc"][1]  # per seed: [step, lowest val BPC], steps 3 and 6 evaluated
+    assert best[0] in (3, 6) and best[1] == min(float(r["val/bpc"]) for r in
+                                                plots.read_csv(out / "curves/rope-seed1.csv") if r["val/bpc"])
+    assert rope["test_bpc_per_seed"] == pytest.approx(rope["final_test_bpc"]["values"])
+    assert (f"| `rope` | 1 | {rope['final_val_bpc']['values'][1]:.3f} | {rope['test_bpc_per_seed'][1]:.3f} | "
+            f"{best[1]:.3f} ({best[0]}) | 0 |") in table
     # the Eq. 19 image sits in the run's TensorBoard events
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(str(runs / "rope-seed0"))
@@ -164,19 +174,7 @@ def test_results_accumulate_across_run_dirs(tmp_path, corpus):
 
 def test_a_run_that_a_non_finite_step_stopped_is_reported_with_its_last_checkpoint(tmp_path, corpus, monkeypatch):
     pytest.importorskip("matplotlib")
-    from linear_rope.model import PerformerLM as LM
-
-    forward, calls = LM.forward, {"n": 0}
-
-    def poisoned(self, x, *a, **kw):
-        logits = forward(self, x, *a, **kw)
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] == 5:
-                logits.register_hook(lambda g: torch.full_like(g, float("nan")))
-        return logits
-
-    monkeypatch.setattr(LM, "forward", poisoned)
+    poison_training_forward(monkeypatch, {5})
     runs, out = tmp_path / "runs", tmp_path / "results"
     code, _, err = run_main(["--preset", "tiny", "--variants", "rope", "--steps", "8", "--eval-every", "2",
                              "--data", str(corpus), "--data-dir", str(tmp_path / "data"), "--out", str(runs)])

@@ -254,8 +254,8 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
     from ..attention import ROW_SUM_FLOOR
 
     test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
-    header = ["run", "variant", "seed", "step", "factor", "mean", "p05", "min", "mean_last_L",
-              "frac_below_floor"]
+    header = ["run", "variant", "seed", "step", "factor", "mean", "median", "p05", "p95", "min", "max",
+              "mean_last_L", "median_last_L", "frac_below_floor", "frac_abs_above_2"]
     present = find_runs(runs)
     rows, curves, n_windows = [], {}, 0
     if (out / "rowsums_lengths.csv").is_file():  # runs measured in another session stay
@@ -270,10 +270,11 @@ def rowsums(runs: Path, out: Path, corpus: str, data_dir: str, factors=FACTORS,
                 continue  # the test split is shorter than one window
             sums = torch.stack([analysis.row_sums(model, torch.from_numpy(test[i * n:(i + 1) * n].astype("int64")))
                                 for i in range(windows)])  # (windows, depth, H, n)
-            flat = sums.flatten()
-            rows.append([name, variant, seed, step, f, f"{flat.mean():.5f}", f"{flat.quantile(0.05):.5f}",
-                         f"{flat.min():.5f}", f"{sums[..., -L:].mean():.5f}",
-                         f"{(flat < ROW_SUM_FLOOR).double().mean():.5f}"])
+            flat, last = sums.flatten(), sums[..., -L:].flatten()
+            q = torch.quantile(flat, torch.tensor([0.05, 0.5, 0.95], dtype=flat.dtype))
+            rows.append([name, variant, seed, step, f, *(f"{x:.5f}" for x in (
+                flat.mean(), q[1], q[0], q[2], flat.min(), flat.max(), last.mean(), last.median(),
+                (flat < ROW_SUM_FLOOR).double().mean(), (flat.abs() > 2).double().mean()))])
             if f == max(factors) and seed == 0:
                 curves[variant], n_windows = sums.mean((0, 1, 2)), windows
         print(f"{name}: row sums at " + ", ".join(f"{r[4]}L {r[5]}" for r in rows if r[0] == name),
@@ -334,11 +335,16 @@ def summary(runs: Path, out: Path) -> dict:
     if "none" in variants:
         none_final = statistics.mean(col(rs, "val/bpc")[-1][1] for rs in variants["none"].values())
     for variant, seeds in sorted(variants.items()):
+        seeds = dict(sorted(seeds.items()))  # every per-seed list below follows "seeds"
         val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
         test = [col(rs, "test/bpc")[-1][1] for rs in seeds.values() if col(rs, "test/bpc")]
         entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
                  "wall_minutes": [cfgs[f"{variant}-seed{s}"]["wall_minutes"] for s in seeds],
                  "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
+                 # the lowest val BPC of each seed and its step: did it get worse after it?
+                 "best_val_bpc": [list(min(col(rs, "val/bpc"), key=lambda sv: sv[1])) for rs in seeds.values()],
+                 # per seed, None where a non-finite step ended the run before its test
+                 "test_bpc_per_seed": [c[-1][1] if (c := col(rs, "test/bpc")) else None for rs in seeds.values()],
                  # the training BPC of the last few hundred steps (EMA) beside val: do they part?
                  "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
                                                         for rs in seeds.values()]),
@@ -383,7 +389,8 @@ def summary(runs: Path, out: Path) -> dict:
     if (out / "rowsums_lengths.csv").is_file():
         rl = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
         for r in read_csv(out / "rowsums_lengths.csv"):
-            for c in ("mean", "p05", "min", "mean_last_L", "frac_below_floor"):
+            for c in ("mean", "median", "p05", "p95", "min", "max", "mean_last_L", "median_last_L",
+                      "frac_below_floor", "frac_abs_above_2"):
                 rl[r["variant"]][f"{r['factor']}L"][c].append(float(r[c]))
         result["row_sums_at_lengths"] = {v: {f: {c: _mean_std(xs) for c, xs in cs.items()}
                                              for f, cs in d.items()} for v, d in rl.items()}
@@ -468,10 +475,23 @@ def tables(out: Path) -> str:
                      f"{reach('steps_to_none_final_val_smoothed_train')} | {ms(e.get('redraw_jump_train_bpc'))} | "
                      f"{', '.join(str(n) for n in e['skipped_steps']) if 'skipped_steps' in e else '–'} | "
                      f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
+    if any(len(s["variants"][v]["seeds"]) > 1 for v in order):
+        lines += ["", "| variant | seed | final val BPC | final test BPC | lowest val BPC (step) | "
+                  "updates skipped | minutes |", "|---|---|---|---|---|---|---|"]
+        for v in order:
+            e = s["variants"][v]
+            test = e.get("test_bpc_per_seed") or [None] * len(e["seeds"])
+            for i, seed in enumerate(e["seeds"]):
+                best = (e.get("best_val_bpc") or [None] * len(e["seeds"]))[i]
+                lines.append(f"| `{v}` | {seed} | {e['final_val_bpc']['values'][i]:.3f} | "
+                             + ("–" if test[i] is None else f"{test[i]:.3f}") + " | "
+                             + (f"{best[1]:.3f} ({best[0]})" if best else "–") + " | "
+                             f"{e['skipped_steps'][i] if 'skipped_steps' in e else '–'} | "
+                             f"{e['wall_minutes'][i]:.0f} |")
     by_step = {v: s["variants"][v].get("val_bpc_by_step") for v in order}
     steps = sorted({int(k) for d in by_step.values() if d for k in d})
     if steps:
-        lines += ["", "| val BPC at step | " + " | ".join(str(x) for x in steps) + " |",
+        lines += ["", "| val BPC at step (mean over seeds) | " + " | ".join(str(x) for x in steps) + " |",
                   "|---|" + "---|" * len(steps)]
         for v in order:
             d = by_step[v] or {}
@@ -488,16 +508,19 @@ def tables(out: Path) -> str:
     rl = s.get("row_sums_at_lengths")
     if rl:
         cols = [c for c in ("1L", "2L", "4L", "8L") if any(c in rl[v] for v in rl)]
-        lines += ["", "| variant: row sums of W, all layers and heads | "
-                  + " | ".join(f"at {c}: mean (5th pct, min); last L mean" for c in cols) + " |",
+        lines += ["", "| variant: row sums of W, all layers and heads (mean over seeds) | "
+                  + " | ".join(f"at {c}: median (5th, 95th pct); mean; share with abs > 2; last L median"
+                               for c in cols) + " |",
                   "|---|" + "---|" * len(cols)]
         for v in order:
             if v in rl:
                 cells = []
                 for c in cols:
                     d = rl[v].get(c)
-                    cells.append("–" if not d else f"{d['mean']['mean']:.3f} ({d['p05']['mean']:.3f}, "
-                                 f"{min(d['min']['values']):.3f}); {d['mean_last_L']['mean']:.3f}")
+                    cells.append("–" if not d or "median" not in d else
+                                 f"{d['median']['mean']:.3f} ({d['p05']['mean']:.3f}, {d['p95']['mean']:.3f}); "
+                                 f"{d['mean']['mean']:.3f}; {d['frac_abs_above_2']['mean']:.2%}; "
+                                 f"{d['median_last_L']['mean']:.3f}")
                 lines.append(f"| `{v}` (n={len(rl[v][cols[0]]['mean']['values'])}) | " + " | ".join(cells) + " |")
     rs = s.get("attention_row_sums")
     if rs:
