@@ -337,14 +337,15 @@ def summary(runs: Path, out: Path) -> dict:
     for variant, seeds in sorted(variants.items()):
         seeds = dict(sorted(seeds.items()))  # every per-seed list below follows "seeds"
         val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
-        test = [col(rs, "test/bpc")[-1][1] for rs in seeds.values() if col(rs, "test/bpc")]
+        # per seed, None where a non-finite step ended the run before its test
+        test_per_seed = [c[-1][1] if (c := col(rs, "test/bpc")) else None for rs in seeds.values()]
+        test = [x for x in test_per_seed if x is not None]
         entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
                  "wall_minutes": [cfgs[f"{variant}-seed{s}"]["wall_minutes"] for s in seeds],
                  "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
                  # the lowest val BPC of each seed and its step: did it get worse after it?
                  "best_val_bpc": [list(min(col(rs, "val/bpc"), key=lambda sv: sv[1])) for rs in seeds.values()],
-                 # per seed, None where a non-finite step ended the run before its test
-                 "test_bpc_per_seed": [c[-1][1] if (c := col(rs, "test/bpc")) else None for rs in seeds.values()],
+                 "test_bpc_per_seed": test_per_seed,
                  # the training BPC of the last few hundred steps (EMA) beside val: do they part?
                  "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
                                                         for rs in seeds.values()]),
