@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from helpers import poison_training_forward, run_main
 from linear_rope import apply_rotary, rotary_linear_attention
 from linear_rope.enwik8 import data, trainer
+from linear_rope.enwik8.checkpoint import load_checkpoint, resolve_checkpoint
 from linear_rope.results import analysis, plots
 from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
 
@@ -170,6 +172,26 @@ def test_results_accumulate_across_run_dirs(tmp_path, corpus):
     assert {r["run"] for r in plots.read_csv(out / "rowsums_lengths.csv")} == {"rope-seed0", "none-seed1"}
     assert set(json.loads((out / "runs.json").read_text())) == {"rope-seed0", "none-seed1"}
     assert plots.main(["tables", "--runs", str(tmp_path / "gone"), "--out", str(out)]) == 0  # no run dir needed
+
+
+def test_a_run_redone_from_scratch_is_measured_again(tmp_path, corpus):
+    """A seed rerun from step 0 into a run dir of the same name ends at the same step: its
+    extrapolation row must come from the new weights, not from the cached row of the old run."""
+    pytest.importorskip("matplotlib")
+    runs, out, found = tmp_path / "runs", tmp_path / "results", []
+    for lr in ("1e-3", "3e-2"):
+        code, _, err = run_main(["--preset", "tiny", "--variants", "rope", "--steps", "4", "--eval-every", "2",
+                                 "--lr", lr, "--data", str(corpus), "--data-dir", str(tmp_path / "data"),
+                                 "--out", str(runs)])
+        assert code == 0, err
+        assert plots.main(["extrapolate", "--runs", str(runs), "--data", str(corpus), "--data-dir",
+                           str(tmp_path / "data"), "--out", str(out)]) == 0
+        (row,) = plots.read_csv(out / "extrapolation.csv")
+        test_bpc = load_checkpoint(resolve_checkpoint(runs / "rope-seed0"))["metrics"]["test_bpc"]
+        assert row["step"] == "4" and row["bpc_1L"] == f"{test_bpc:.5f}"
+        found.append(row)
+        shutil.rmtree(runs)
+    assert found[0]["bpc_1L"] != found[1]["bpc_1L"] and found[0]["bpc_8L"] != found[1]["bpc_8L"]
 
 
 def test_a_run_that_a_non_finite_step_stopped_is_reported_with_its_last_checkpoint(tmp_path, corpus, monkeypatch):

@@ -143,7 +143,8 @@ def _final_models(runs: Path):
 def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2, 4, 8)) -> None:
     """Test BPC of every finished run at windows of f * L. 1L is the run's own final test BPC
     (the same protocol: whole split, non-overlapping windows of L). Rows already in
-    ``extrapolation.csv`` for the same run and step are kept, so this can run as runs finish."""
+    ``extrapolation.csv`` for the same run, step and final test BPC are kept, so this can run as
+    runs finish; a run redone from scratch (same name and step, new weights) is measured again."""
     test = data.load_split(data.prepare_corpus(corpus, data_dir)["test"])
     header = ["run", "variant", "seed", "step", *(f"bpc_{f}L" for f in factors)]
     done = {}
@@ -155,12 +156,13 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
     for name, (variant, seed) in present.items():
         path = resolve_checkpoint(runs / name)
         ckpt = load_checkpoint(path)
-        if (name, str(ckpt["step"])) in done:
-            rows.append(done[(name, str(ckpt["step"]))])
+        done_test = ckpt["metrics"].get("test_bpc")  # None where a non-finite step ended the run
+        cached = done.get((name, str(ckpt["step"])))
+        if cached and (done_test is None or cached[4] == f"{done_test:.5f}"):
+            rows.append(cached)
             continue
         model = load_model(path)
         L = model.cfg.seq_len
-        done_test = ckpt["metrics"].get("test_bpc")  # None where a non-finite step ended the run
         bpc = analysis.bpc_at_lengths(model, test, [f * L for f in factors if f != 1 or done_test is None])
         bpc.setdefault(L, done_test)
         rows.append([name, variant, seed, ckpt["step"],
