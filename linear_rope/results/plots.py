@@ -158,7 +158,7 @@ def extrapolate(runs: Path, out: Path, corpus: str, data_dir: str, factors=(1, 2
         ckpt = load_checkpoint(path)
         done_test = ckpt["metrics"].get("test_bpc")  # None where a non-finite step ended the run
         cached = done.get((name, str(ckpt["step"])))
-        if cached and (done_test is None or cached[4] == f"{done_test:.5f}"):
+        if cached and (done_test is None or cached[header.index("bpc_1L")] == f"{done_test:.5f}"):
             rows.append(cached)
             continue
         model = load_model(path)
