@@ -205,3 +205,45 @@ def test_flags_not_given_keep_the_preset():
     _, runs = parse_runs(build_parser(), ["--preset", "tiny", "--no-compile"])
     (_, mc, tc), _ = runs
     assert mc.nb_features == 16 and tc.steps == 20 and tc.compile is False and tc.out == "runs/tiny"
+
+
+# ------------------------------------------------------------------ enwik8 without internet
+
+@pytest.mark.parametrize("server", ["closed-port", "http-404"])
+def test_enwik8_unreachable_is_one_line_naming_data(tmp_path, capsys, monkeypatch, server):
+    """No --data and no enwik8 to be had: one line that says so and names --data (no download
+    line first, no traceback), and neither a zip nor a run directory is left behind."""
+    import functools
+    import http.server
+    import socket
+    import threading
+
+    from helpers import run_main
+    from linear_rope.enwik8 import data
+
+    if server == "closed-port":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}/enwik8.zip"
+    else:
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):  # the server's own access log would go to stderr
+                pass
+
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=tmp_path))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/no/enwik8.zip"  # 404
+    monkeypatch.setattr(data, "prepare_enwik8", functools.partial(data.prepare_enwik8, url=url))
+    try:
+        code, out, err = run_main(["--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "runs"),
+                                   "--data-dir", str(tmp_path / "data")])
+    finally:
+        if server != "closed-port":
+            httpd.shutdown()
+            httpd.server_close()
+    lines = err.strip().splitlines()
+    assert code == 2 and out == ""
+    assert len(lines) == 1, err
+    assert lines[0].startswith("python -m linear_rope.train: error: could not fetch enwik8 (download of ")
+    assert url in lines[0] and "pass --data PATH" in lines[0]
+    assert not (tmp_path / "runs").exists() and list((tmp_path / "data").iterdir()) == []
