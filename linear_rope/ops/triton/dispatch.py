@@ -1,0 +1,89 @@
+"""Which path a call takes: the Triton kernels or the torch ops. Imports nothing from Triton.
+
+``should_use_triton(q, k, v, **kwargs)`` is the one call the op makes: the backend comes from
+``force`` (``"torch"``, ``"triton"``, ``"auto"``), else the ``LINEAR_ROPE_BACKEND`` environment
+variable, else ``"auto"``. ``auto`` takes the kernels for CUDA tensors when Triton is installed
+and ``supports`` accepts the call; ``triton`` takes them wherever ``supports`` accepts (on the
+CPU that needs ``TRITON_INTERPRET=1``, set before Triton is imported) and raises with the
+reason otherwise; ``torch`` never does.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["BACKENDS", "ENV_VAR", "MAX_HEAD_DIM", "pick_config", "should_use_triton", "supports", "triton_available"]
+
+ENV_VAR = "LINEAR_ROPE_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+MAX_HEAD_DIM = 128  # d and e: the largest the sm_90 compile test checks against the H100's shared memory
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def triton_available() -> bool:
+    """Triton is importable (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def pick_config(dtype: torch.dtype, m: int, d: int, e: int) -> dict:
+    """The kernels' block sizes for a call: one config per shape, chosen here on the CPU (no autotune).
+
+    C: tokens per chunk; BP: rotation pairs per program (16 when m <= 32, else 32: m = 266 is
+    133 pairs in 5 blocks, 20% padding); BD, BE: d and e padded to a power of two (>= 16, the
+    smallest ``tl.dot``). float64 halves the chunk (twice the bytes per element).
+    PREC: exact fp32 GEMMs for fp32 inputs, TF32 for bf16 / fp16 inputs, fp64 for fp64."""
+    P = (m + 1) // 2
+    BP = 16 if P <= 16 else 32
+    return dict(C=32 if dtype == torch.float64 else 64, BP=BP, nb=-(-P // BP), BD=_pow2(d), BE=_pow2(e),
+                PREC="tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee", num_warps=4)
+
+
+def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, projection=None, mask=None,
+             key_mask=None, cu_seqlens=None, initial_state=None, output_final_state=False, allow_negative=False,
+             **_) -> tuple[bool, str]:
+    """(True, "") if the Triton kernels compute this call, else (False, the reason): the calls the
+    kernels do not take go to the torch path, which takes every call. Argument errors are not
+    judged here: the op's checks raise them on either path."""
+    if not triton_available():
+        return False, "triton is not installed (pip install 'linear_rope[triton]')"
+    if not (q.is_cuda or _interpreting()):
+        return False, f"tensors on {q.device.type}: the kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
+    if not causal:
+        return False, "causal=False: the bidirectional closed form is a few GEMMs already (torch path)"
+    if cu_seqlens is not None:
+        return False, "cu_seqlens (packed documents) is not implemented in the kernels"
+    if key_mask is not None or k.shape[2] != q.shape[2]:
+        return False, "cross-attention (key_mask, or k of another length) is bidirectional only (torch path)"
+    if q.dtype not in _DTYPES:
+        return False, f"dtype {q.dtype} (kernels take float16, bfloat16, float32, float64)"
+    d, e = q.shape[-1], v.shape[-1]
+    if (projection is not None and d > MAX_HEAD_DIM) or e > MAX_HEAD_DIM:
+        return False, f"head dims d={d}, e={e}: the kernels take d, e <= {MAX_HEAD_DIM}"
+    return True, ""
+
+
+def should_use_triton(q, k, v, *, force: str | None = None, **kwargs) -> bool:
+    """True when the call should take the Triton kernels (see the module docstring). ``kwargs``:
+    the op's keyword arguments. Raises ValueError for an unknown backend, or when ``triton`` is
+    forced for a call the kernels do not take (with the reason)."""
+    backend = force if force is not None else os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} / force must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    ok, why = supports(q, k, v, **kwargs)
+    if backend == "triton" and not ok:
+        raise ValueError(f"backend 'triton' was forced, but {why}")
+    if backend == "auto":
+        return ok and q.is_cuda
+    return ok
