@@ -34,75 +34,74 @@ def _scale(d, ACC: tl.constexpr):
 
 
 @triton.jit
-def _favor(x_ptr, w_ptr, c_ptr, tok, tmask, p, pmask, m, d, scale, FLOOR,
-           IS_QUERY: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, qmax):
-    """FAVOR+ features of the pairs p `[BP]` for the tokens tok `[C]` of one row-head (x_ptr at
-    its token 0): (even, odd, x * scale, not-clamped masks). Padded pairs / tokens give 0."""
+def _block(w_ptr, c_ptr, i, m, d, P, BP: tl.constexpr, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr):
+    """What a program keeps for its pairs p = i BP .. (i+1) BP - 1: the pairs, which of their even
+    and odd features exist, and (FAVOR+) the projection rows transposed `[BD, BP]` and the shifts."""
+    p = i * BP + tl.arange(0, BP)
+    pmask = p < P
+    vale = pmask & (2 * p < m)
+    valo = pmask & (2 * p + 1 < m)
     dd = tl.arange(0, BD)
-    x = tl.load(x_ptr + tok[:, None] * d + dd[None, :], mask=tmask[:, None] & (dd[None, :] < d), other=0.0)
-    xs = x.to(ACC) * scale  # (C, BD)
-    emask = pmask & (2 * p < m)
-    omask = pmask & (2 * p + 1 < m)
-    we = tl.load(w_ptr + (2 * p)[:, None] * d + dd[None, :], mask=emask[:, None] & (dd[None, :] < d), other=0.0)
-    wo = tl.load(w_ptr + (2 * p + 1)[:, None] * d + dd[None, :], mask=omask[:, None] & (dd[None, :] < d), other=0.0)
-    c = tl.load(c_ptr + p, mask=pmask, other=0.0)  # (BP,): the pair's shift, shared by both features
-    ae = tl.dot(xs, tl.trans(we.to(ACC)), input_precision=PREC)  # (C, BP)
-    ao = tl.dot(xs, tl.trans(wo.to(ACC)), input_precision=PREC)
-    if IS_QUERY:
-        ae = ae + c[None, :] - qmax[:, None]
-        ao = ao + c[None, :] - qmax[:, None]
-        oke = emask[None, :] & tmask[:, None]
-        oko = omask[None, :] & tmask[:, None]
+    if FAVOR:
+        weT = tl.load(w_ptr + (2 * p)[None, :] * d + dd[:, None], mask=vale[None, :] & (dd[:, None] < d), other=0.0)
+        woT = tl.load(w_ptr + (2 * p + 1)[None, :] * d + dd[:, None], mask=valo[None, :] & (dd[:, None] < d),
+                      other=0.0)
+        c = tl.load(c_ptr + p, mask=pmask, other=0.0).to(ACC)  # (BP,): one shift per pair
+        weT, woT = weT.to(ACC), woT.to(ACC)
     else:
-        half = 0.5 * tl.sum(xs * xs, axis=1)
-        ae = ae - half[:, None] - c[None, :]
-        ao = ao - half[:, None] - c[None, :]
-        # the gradient passes where floor <= a <= 0, as through torch's clamp in features.py
-        oke = (ae >= FLOOR) & (ae <= 0.0)
-        oko = (ao >= FLOOR) & (ao <= 0.0)
-        ae = tl.minimum(tl.maximum(ae, FLOOR), 0.0)
-        ao = tl.minimum(tl.maximum(ao, FLOOR), 0.0)
-    fe = tl.where(emask[None, :] & tmask[:, None], tl.exp(ae), 0.0)
-    fo = tl.where(omask[None, :] & tmask[:, None], tl.exp(ao), 0.0)
-    return fe, fo, xs, oke, oko
+        weT = tl.zeros((BD, BP), ACC)
+        woT = weT
+        c = tl.zeros((BP,), ACC)
+    return p, pmask, vale, valo, weT, woT, c
 
 
 @triton.jit
-def _features(q_ptr, k_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, tok, tmask, p, pmask, m, d, scale, FLOOR,
+def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
               FAVOR: tl.constexpr, HAS_MASK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
               PREC: tl.constexpr):
-    """phi(q), phi(k) of one chunk, even and odd halves `[C, BP]`; masked keys are 0."""
-    km = tl.full(tok.shape, 1.0, ACC)
+    """phi(q), phi(k) of the chunk at token t0, even and odd halves `[C, BP]` (padded pairs and
+    tokens, and masked keys, are 0); q' and k' `[C, BD]` (FAVOR+); the keys' not-clamped masks
+    (the gradient passes where floor <= exponent <= 0, as through torch's clamp); the key mask."""
+    tok = t0 + tl.arange(0, tmask.shape[0])
+    fme = tmask[:, None] & vale[None, :]
+    fmo = tmask[:, None] & valo[None, :]
     if HAS_MASK:
-        km = tl.load(km_ptr + tok, mask=tmask, other=0).to(ACC)
-    if FAVOR:
-        qmax = tl.load(qmax_ptr + tok, mask=tmask, other=0.0)
-        fe, fo, xq, _, _ = _favor(q_ptr, w_ptr, c_ptr, tok, tmask, p, pmask, m, d, scale, FLOOR, True, BD, ACC,
-                                  PREC, qmax)
-        ke, ko, xk, oke, oko = _favor(k_ptr, w_ptr, c_ptr, tok, tmask, p, pmask, m, d, scale, FLOOR, False, BD,
-                                      ACC, PREC, qmax)
+        km = tl.load(km_row + tok, mask=tmask, other=0).to(ACC)
     else:
-        emask = tmask[:, None] & (pmask & (2 * p < m))[None, :]
-        omask = tmask[:, None] & (pmask & (2 * p + 1 < m))[None, :]
-        off_e = tok[:, None] * m + 2 * p[None, :]
-        fe = tl.load(q_ptr + off_e, mask=emask, other=0.0).to(ACC)
-        fo = tl.load(q_ptr + off_e + 1, mask=omask, other=0.0).to(ACC)
-        ke = tl.load(k_ptr + off_e, mask=emask, other=0.0).to(ACC)
-        ko = tl.load(k_ptr + off_e + 1, mask=omask, other=0.0).to(ACC)
+        km = tl.where(tmask, 1.0, 0.0).to(ACC)
+    if FAVOR:
+        dd = tl.arange(0, BD)
+        xo = tok[:, None] * x_dim + dd[None, :]
+        xm = tmask[:, None] & (dd[None, :] < d)
+        xq = tl.load(q_row + xo, mask=xm, other=0.0).to(ACC) * scale
+        xk = tl.load(k_row + xo, mask=xm, other=0.0).to(ACC) * scale
+        cq = c[None, :] - tl.load(qmax_row + tok, mask=tmask, other=0.0)[:, None]
+        fe = tl.where(fme, tl.exp(tl.dot(xq, weT, input_precision=PREC) + cq), 0.0)
+        fo = tl.where(fmo, tl.exp(tl.dot(xq, woT, input_precision=PREC) + cq), 0.0)
+        ck = 0.5 * tl.sum(xk * xk, axis=1)[:, None] + c[None, :]
+        ae = tl.dot(xk, weT, input_precision=PREC) - ck
+        ao = tl.dot(xk, woT, input_precision=PREC) - ck
+        oke = (ae >= FLOOR) & (ae <= 0.0)
+        oko = (ao >= FLOOR) & (ao <= 0.0)
+        ke = tl.where(fme, tl.exp(tl.minimum(tl.maximum(ae, FLOOR), 0.0)), 0.0) * km[:, None]
+        ko = tl.where(fmo, tl.exp(tl.minimum(tl.maximum(ao, FLOOR), 0.0)), 0.0) * km[:, None]
+    else:
+        off = tok[:, None] * m + 2 * p[None, :]
+        fe = tl.load(q_row + off, mask=fme, other=0.0).to(ACC)
+        fo = tl.load(q_row + off + 1, mask=fmo, other=0.0).to(ACC)
+        ke = tl.load(k_row + off, mask=fme, other=0.0).to(ACC) * km[:, None]
+        ko = tl.load(k_row + off + 1, mask=fmo, other=0.0).to(ACC) * km[:, None]
         xq = fe
         xk = ke
-        oke = emask
-        oko = omask
-    ke = ke * km[:, None]
-    ko = ko * km[:, None]
+        oke = fme
+        oko = fmo
     return fe, fo, ke, ko, xq, xk, oke, oko, km
 
 
 @triton.jit
-def _tables(cos_ptr, sin_ptr, tok, tmask, p, pmask, P):
-    cs = tl.load(cos_ptr + tok[:, None] * P + p[None, :], mask=tmask[:, None] & pmask[None, :], other=1.0)
-    sn = tl.load(sin_ptr + tok[:, None] * P + p[None, :], mask=tmask[:, None] & pmask[None, :], other=0.0)
-    return cs, sn
+def _rotate(fe, fo, cs, sn):
+    """RoPE on pairs (even, odd) by tables cos, sin `[C, BP]`; (cs, -sn) rotates back."""
+    return fe * cs - fo * sn, fe * sn + fo * cs
 
 
 @triton.jit
@@ -118,17 +117,41 @@ def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
                 other=0.0)
     xs = x.to(ACC) * scale
     best = tl.full((C,), float("-inf"), ACC)
-    for p0 in range(0, P, BP):
-        p = p0 + tl.arange(0, BP)
-        for odd in tl.static_range(2):
-            j = 2 * p + odd
-            jm = (p < P) & (j < m)
-            w = tl.load(w_ptr + j[:, None] * d + dd[None, :], mask=jm[:, None] & (dd[None, :] < d), other=0.0)
-            c = tl.load(c_ptr + p, mask=p < P, other=0.0)
-            s = tl.dot(xs, tl.trans(w.to(ACC)), input_precision=PREC) + c[None, :]
-            s = tl.where(jm[None, :], s, float("-inf"))
-            best = tl.maximum(best, tl.max(s, axis=1))
+    for i in range(0, tl.cdiv(P, BP)):
+        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, True, ACC)
+        se = tl.where(vale[None, :], tl.dot(xs, weT, input_precision=PREC) + c[None, :], float("-inf"))
+        so = tl.where(valo[None, :], tl.dot(xs, woT, input_precision=PREC) + c[None, :], float("-inf"))
+        best = tl.maximum(best, tl.maximum(tl.max(se, axis=1), tl.max(so, axis=1)))
     tl.store(qmax_ptr + bh * N + tok, best, mask=tmask)
+
+
+@triton.jit
+def _load_state(ptr, zptr, bh, p, vale, valo, ee, m, e, ON: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+                ACC: tl.constexpr):
+    """S `[BH, m, e]`, z `[BH, m]` rows of the pairs: (S_e, S_o `[BP, BE]`, z_e, z_o `[BP]`); zeros if not ON."""
+    if ON:
+        so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
+        em = ee[None, :] < e
+        S_e = tl.load(ptr + so, mask=vale[:, None] & em, other=0.0).to(ACC)
+        S_o = tl.load(ptr + so + e, mask=valo[:, None] & em, other=0.0).to(ACC)
+        z_e = tl.load(zptr + bh * m + 2 * p, mask=vale, other=0.0).to(ACC)
+        z_o = tl.load(zptr + bh * m + 2 * p + 1, mask=valo, other=0.0).to(ACC)
+    else:
+        S_e = tl.zeros((BP, BE), ACC)
+        S_o = tl.zeros((BP, BE), ACC)
+        z_e = tl.zeros((BP,), ACC)
+        z_o = tl.zeros((BP,), ACC)
+    return S_e, S_o, z_e, z_o
+
+
+@triton.jit
+def _store_state(ptr, zptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o):
+    so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
+    em = ee[None, :] < e
+    tl.store(ptr + so, S_e, mask=vale[:, None] & em)
+    tl.store(ptr + so + e, S_o, mask=valo[:, None] & em)
+    tl.store(zptr + bh * m + 2 * p, z_e, mask=vale)
+    tl.store(zptr + bh * m + 2 * p + 1, z_o, mask=valo)
 
 
 @triton.jit
@@ -141,89 +164,70 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
     """Program (i, bh): pairs [i BP, (i+1) BP) of row-head bh over all N tokens.
     num `[nb, BH, N, e]`, den `[nb, BH, N]` partials; final S `[BH, m, e]`, z `[BH, m]`."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    scale = _scale(d, ACC)
     BH = tl.num_programs(1)
     b = bh // H
-    p = i * BP + tl.arange(0, BP)
-    pmask = p < P
+    scale = _scale(d, ACC)
+    p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
-    emask_v = ee < e
-    je, jo = 2 * p, 2 * p + 1
-    se_mask = (pmask & (je < m))[:, None] & emask_v[None, :]
-    so_mask = (pmask & (jo < m))[:, None] & emask_v[None, :]
-    if HAS_STATE:
-        S_e = tl.load(s0_ptr + bh * m * e + je[:, None] * e + ee[None, :], mask=se_mask, other=0.0).to(ACC)
-        S_o = tl.load(s0_ptr + bh * m * e + jo[:, None] * e + ee[None, :], mask=so_mask, other=0.0).to(ACC)
-        z_e = tl.load(z0_ptr + bh * m + je, mask=pmask & (je < m), other=0.0).to(ACC)
-        z_o = tl.load(z0_ptr + bh * m + jo, mask=pmask & (jo < m), other=0.0).to(ACC)
-    else:
-        S_e = tl.zeros((BP, BE), ACC)
-        S_o = tl.zeros((BP, BE), ACC)
-        z_e = tl.zeros((BP,), ACC)
-        z_o = tl.zeros((BP,), ACC)
-    q_row = q_ptr + bh * N * x_dim
-    k_row = k_ptr + bh * N * x_dim
-    tab = (b % tab_rows) * N * P
+    S_e, S_o, z_e, z_o = _load_state(s0_ptr, z0_ptr, bh, p, vale, valo, ee, m, e, HAS_STATE, BP, BE, ACC)
+    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
     ar = tl.arange(0, C)
     causal = ar[:, None] >= ar[None, :]
+    vo = bh * N * e + ar[:, None] * e + ee[None, :]  # this row-head's chunk at token 0
+    po = ((i * BH + bh) * N + ar[:, None]) * e + ee[None, :]
+    to = (b % tab_rows) * N * P + ar[:, None] * P + p[None, :]
     for t0 in range(0, N, C):
-        tok = t0 + ar
-        tmask = tok < N
-        fe, fo, ke, ko, _, _, _, _, _ = _features(q_row, k_row, w_ptr, c_ptr, km_ptr + b * N, qmax_ptr + bh * N,
-                                                  tok, tmask, p, pmask, m, d, scale, FLOOR, FAVOR, HAS_MASK,
-                                                  BD, ACC, PREC)
-        v = tl.load(v_ptr + bh * N * e + tok[:, None] * e + ee[None, :], mask=tmask[:, None] & emask_v[None, :],
-                    other=0.0).to(ACC)
+        tmask = t0 + ar < N
+        vm = tmask[:, None] & (ee[None, :] < e)
+        fe, fo, ke, ko, _, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
+                                                  vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, FAVOR,
+                                                  HAS_MASK, BD, ACC, PREC)
+        v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
         if ROTARY:
-            cs, sn = _tables(cos_ptr + tab, sin_ptr + tab, tok, tmask, p, pmask, P)
-            re, ro = fe * cs - fo * sn, fe * sn + fo * cs
-            rke, rko = ke * cs - ko * sn, ke * sn + ko * cs
+            tm = tmask[:, None] & pmask[None, :]
+            cs = tl.load(cos_ptr + to + t0 * P, mask=tm, other=1.0)
+            sn = tl.load(sin_ptr + to + t0 * P, mask=tm, other=0.0)
+            re, ro = _rotate(fe, fo, cs, sn)
+            rke, rko = _rotate(ke, ko, cs, sn)
             den = tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)),
                          axis=1)
         else:
             re, ro, rke, rko = fe, fo, ke, ko
         A = tl.dot(re, tl.trans(rke), input_precision=PREC) + tl.dot(ro, tl.trans(rko), input_precision=PREC)
         A = tl.where(causal, A, 0.0)
-        if not ROTARY:
+        if not ROTARY:  # Eq. 18: the numerator's weights are the denominator's
             den = tl.sum(A, axis=1) + tl.sum(fe * z_e[None, :] + fo * z_o[None, :], axis=1)
         num = tl.dot(re, S_e, input_precision=PREC) + tl.dot(ro, S_o, input_precision=PREC)
         num += tl.dot(A, v, input_precision=PREC)
-        tl.store(num_ptr + ((i * BH + bh) * N + tok[:, None]) * e + ee[None, :], num,
-                 mask=tmask[:, None] & emask_v[None, :])
-        tl.store(den_ptr + (i * BH + bh) * N + tok, den, mask=tmask)
+        tl.store(num_ptr + po + t0 * e, num, mask=vm)
+        tl.store(den_ptr + (i * BH + bh) * N + t0 + ar, den, mask=tmask)
         S_e += tl.dot(tl.trans(rke), v, input_precision=PREC)
         S_o += tl.dot(tl.trans(rko), v, input_precision=PREC)
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
     if STORE_STATE:
-        tl.store(sT_ptr + bh * m * e + je[:, None] * e + ee[None, :], S_e, mask=se_mask)
-        tl.store(sT_ptr + bh * m * e + jo[:, None] * e + ee[None, :], S_o, mask=so_mask)
-        tl.store(zT_ptr + bh * m + je, z_e, mask=pmask & (je < m))
-        tl.store(zT_ptr + bh * m + jo, z_o, mask=pmask & (jo < m))
+        _store_state(sT_ptr, zT_ptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o)
 
 
 @triton.jit
-def _store_feature_grad(ptr, bh, N, tok, tmask, p, pmask, m, d, dfe, dfo, fe, fo, oke, oko, xs, w_ptr, scale,
-                        i, BH, FAVOR: tl.constexpr, IS_KEY: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-                        PREC: tl.constexpr):
-    """d phi -> d input. Features in: dq / dk columns of these pairs. FAVOR+: phi = exp(a), so
-    da = dphi * phi (0 where the key exponent was clamped), then back through a = w . x' (- |x'|^2/2):
-    a partial `[C, d]` of block i."""
+def _store_feature_grad(ptr, row, N, t0, tmask, p, m, d, dfe, dfo, fe, fo, oke, oko, xs, weT, woT, scale,
+                        FAVOR: tl.constexpr, IS_KEY: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """d phi -> d input, for the chunk at t0. Features in: the dq / dk columns of these pairs
+    (ptr at `[BH, N, m]`, row = bh). FAVOR+: phi = exp(a), so da = dphi * phi (0 where a key's
+    exponent was clamped), then back through a = w . x' (- |x'|^2 / 2 for keys): the partial
+    `[C, d]` of this block (ptr at `[nb, BH, N, d]`, row = i * BH + bh)."""
+    tok = t0 + tl.arange(0, tmask.shape[0])
     if FAVOR:
         dae = tl.where(oke, dfe * fe, 0.0)
         dao = tl.where(oko, dfo * fo, 0.0)
-        dd = tl.arange(0, BD)
-        we = tl.load(w_ptr + (2 * p)[:, None] * d + dd[None, :], mask=(pmask & (2 * p < m))[:, None] & (dd[None, :] < d),
-                     other=0.0).to(ACC)
-        wo = tl.load(w_ptr + (2 * p + 1)[:, None] * d + dd[None, :],
-                     mask=(pmask & (2 * p + 1 < m))[:, None] & (dd[None, :] < d), other=0.0).to(ACC)
-        dx = tl.dot(dae, we, input_precision=PREC) + tl.dot(dao, wo, input_precision=PREC)
+        dx = tl.dot(dae, tl.trans(weT), input_precision=PREC) + tl.dot(dao, tl.trans(woT), input_precision=PREC)
         if IS_KEY:
             dx -= xs * tl.sum(dae + dao, axis=1)[:, None]
-        tl.store(ptr + ((i * BH + bh) * N + tok[:, None]) * d + dd[None, :], dx * scale,
+        dd = tl.arange(0, BD)
+        tl.store(ptr + (row * N + tok[:, None]) * d + dd[None, :], dx * scale,
                  mask=tmask[:, None] & (dd[None, :] < d))
     else:
-        off = bh * N * m + tok[:, None] * m + 2 * p[None, :]
+        off = row * N * m + tok[:, None] * m + 2 * p[None, :]
         tl.store(ptr + off, dfe, mask=oke)
         tl.store(ptr + off + 1, dfo, mask=oko)
 
@@ -236,96 +240,74 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
                 FAVOR: tl.constexpr, ROTARY: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATE: tl.constexpr,
                 HAS_GSTATE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """Program (i, bh) as in the forward. dnum `[BH, N, e]` = g / den, dden `[BH, N]` = -g.out / den.
-    dv `[nb, BH, N, e]` partials; dq, dk partials `[nb, BH, N, d]` (FAVOR+) or `[BH, N, m]`."""
+    dv `[nb, BH, N, e]` partials; dq, dk partials `[nb, BH, N, d]` (FAVOR+) or `[BH, N, m]`;
+    dS0, dz0 `[BH, m, e]`, `[BH, m]` (HAS_STATE)."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    scale = _scale(d, ACC)
     BH = tl.num_programs(1)
     b = bh // H
-    p = i * BP + tl.arange(0, BP)
-    pmask = p < P
+    scale = _scale(d, ACC)
+    p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
-    emask_v = ee < e
-    je, jo = 2 * p, 2 * p + 1
-    se_mask = (pmask & (je < m))[:, None] & emask_v[None, :]
-    so_mask = (pmask & (jo < m))[:, None] & emask_v[None, :]
-    q_row = q_ptr + bh * N * x_dim
-    k_row = k_ptr + bh * N * x_dim
-    tab = (b % tab_rows) * N * P
+    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
+    grow = i * BH + bh if FAVOR else bh  # the row of dq / dk this program writes
     ar = tl.arange(0, C)
-    causal = ar[:, None] >= ar[None, :]  # [t, n]: n <= t
+    vo = bh * N * e + ar[:, None] * e + ee[None, :]
+    po = ((i * BH + bh) * N + ar[:, None]) * e + ee[None, :]
+    to = (b % tab_rows) * N * P + ar[:, None] * P + p[None, :]
     # sweep 1, forward: dq needs the state before each chunk
-    if HAS_STATE:
-        S_e = tl.load(s0_ptr + bh * m * e + je[:, None] * e + ee[None, :], mask=se_mask, other=0.0).to(ACC)
-        S_o = tl.load(s0_ptr + bh * m * e + jo[:, None] * e + ee[None, :], mask=so_mask, other=0.0).to(ACC)
-        z_e = tl.load(z0_ptr + bh * m + je, mask=pmask & (je < m), other=0.0).to(ACC)
-        z_o = tl.load(z0_ptr + bh * m + jo, mask=pmask & (jo < m), other=0.0).to(ACC)
-    else:
-        S_e = tl.zeros((BP, BE), ACC)
-        S_o = tl.zeros((BP, BE), ACC)
-        z_e = tl.zeros((BP,), ACC)
-        z_o = tl.zeros((BP,), ACC)
+    S_e, S_o, z_e, z_o = _load_state(s0_ptr, z0_ptr, bh, p, vale, valo, ee, m, e, HAS_STATE, BP, BE, ACC)
+    causal = ar[:, None] >= ar[None, :]  # [t, n]: n <= t
     for t0 in range(0, N, C):
-        tok = t0 + ar
-        tmask = tok < N
-        fe, fo, ke, ko, xq, _, _, _, _ = _features(q_row, k_row, w_ptr, c_ptr, km_ptr + b * N, qmax_ptr + bh * N,
-                                                   tok, tmask, p, pmask, m, d, scale, FLOOR, FAVOR, HAS_MASK,
-                                                   BD, ACC, PREC)
-        vm = tmask[:, None] & emask_v[None, :]
-        v = tl.load(v_ptr + bh * N * e + tok[:, None] * e + ee[None, :], mask=vm, other=0.0).to(ACC)
-        dnum = tl.load(dnum_ptr + bh * N * e + tok[:, None] * e + ee[None, :], mask=vm, other=0.0)
-        dden = tl.load(dden_ptr + bh * N + tok, mask=tmask, other=0.0)
+        tmask = t0 + ar < N
+        vm = tmask[:, None] & (ee[None, :] < e)
+        fe, fo, ke, ko, xq, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
+                                                   vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, FAVOR,
+                                                   HAS_MASK, BD, ACC, PREC)
+        v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
+        dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
+        dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
         Pm = tl.where(causal, tl.dot(dnum, tl.trans(v), input_precision=PREC), 0.0)  # dnum_t . v_n, n <= t
         dfe = dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
         dfo = dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
         if ROTARY:
-            cs, sn = _tables(cos_ptr + tab, sin_ptr + tab, tok, tmask, p, pmask, P)
-            rke, rko = ke * cs - ko * sn, ke * sn + ko * cs
+            tm = tmask[:, None] & pmask[None, :]
+            cs = tl.load(cos_ptr + to + t0 * P, mask=tm, other=1.0)
+            sn = tl.load(sin_ptr + to + t0 * P, mask=tm, other=0.0)
+            rke, rko = _rotate(ke, ko, cs, sn)
         else:
             rke, rko = ke, ko
         dre = tl.dot(dnum, tl.trans(S_e), input_precision=PREC) + tl.dot(Pm, rke, input_precision=PREC)
         dro = tl.dot(dnum, tl.trans(S_o), input_precision=PREC) + tl.dot(Pm, rko, input_precision=PREC)
-        if ROTARY:  # R^T: rotate back by -angle
-            dfe += dre * cs + dro * sn
-            dfo += dro * cs - dre * sn
-        else:
-            dfe += dre
-            dfo += dro
-        qm = tmask[:, None] & pmask[None, :]
-        _store_feature_grad(dq_ptr, bh, N, tok, tmask, p, pmask, m, d, dfe, dfo, fe, fo,
-                            qm & (2 * p < m)[None, :], qm & (2 * p + 1 < m)[None, :], xq, w_ptr, scale, i, BH,
-                            FAVOR, False, BD, ACC, PREC)
+        if ROTARY:  # R^T: rotate back
+            dre, dro = _rotate(dre, dro, cs, -sn)
+        fme = tmask[:, None] & vale[None, :]
+        fmo = tmask[:, None] & valo[None, :]
+        _store_feature_grad(dq_ptr, grow, N, t0, tmask, p, m, d, dfe + dre, dfo + dro, fe, fo, fme, fmo, xq, weT,
+                            woT, scale, FAVOR, False, BD, PREC)
         S_e += tl.dot(tl.trans(rke), v, input_precision=PREC)
         S_o += tl.dot(tl.trans(rko), v, input_precision=PREC)
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
-    # sweep 2, reverse: G = gS + sum_{later} rq dnum^T, Z = gz + sum_{later} dden phi(q)
-    if HAS_GSTATE:
-        G_e = tl.load(gS_ptr + bh * m * e + je[:, None] * e + ee[None, :], mask=se_mask, other=0.0).to(ACC)
-        G_o = tl.load(gS_ptr + bh * m * e + jo[:, None] * e + ee[None, :], mask=so_mask, other=0.0).to(ACC)
-        Z_e = tl.load(gz_ptr + bh * m + je, mask=pmask & (je < m), other=0.0).to(ACC)
-        Z_o = tl.load(gz_ptr + bh * m + jo, mask=pmask & (jo < m), other=0.0).to(ACC)
-    else:
-        G_e = tl.zeros((BP, BE), ACC)
-        G_o = tl.zeros((BP, BE), ACC)
-        Z_e = tl.zeros((BP,), ACC)
-        Z_o = tl.zeros((BP,), ACC)
+    # sweep 2, reverse: G = gS + sum over later tokens of rq dnum^T, Z = gz + sum dden phi(q)
+    G_e, G_o, Z_e, Z_o = _load_state(gS_ptr, gz_ptr, bh, p, vale, valo, ee, m, e, HAS_GSTATE, BP, BE, ACC)
     later = ar[:, None] <= ar[None, :]  # [n, t]: t >= n
     n_chunks = tl.cdiv(N, C)
     for jc in range(0, n_chunks):
         t0 = (n_chunks - 1 - jc) * C
-        tok = t0 + ar
-        tmask = tok < N
-        fe, fo, ke, ko, _, xk, oke, oko, km = _features(q_row, k_row, w_ptr, c_ptr, km_ptr + b * N,
-                                                        qmax_ptr + bh * N, tok, tmask, p, pmask, m, d, scale,
-                                                        FLOOR, FAVOR, HAS_MASK, BD, ACC, PREC)
-        vm = tmask[:, None] & emask_v[None, :]
-        v = tl.load(v_ptr + bh * N * e + tok[:, None] * e + ee[None, :], mask=vm, other=0.0).to(ACC)
-        dnum = tl.load(dnum_ptr + bh * N * e + tok[:, None] * e + ee[None, :], mask=vm, other=0.0)
-        dden = tl.load(dden_ptr + bh * N + tok, mask=tmask, other=0.0)
+        tmask = t0 + ar < N
+        vm = tmask[:, None] & (ee[None, :] < e)
+        fe, fo, ke, ko, _, xk, oke, oko, km = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask,
+                                                        p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
+                                                        FAVOR, HAS_MASK, BD, ACC, PREC)
+        v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
+        dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
+        dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
         if ROTARY:
-            cs, sn = _tables(cos_ptr + tab, sin_ptr + tab, tok, tmask, p, pmask, P)
-            re, ro = fe * cs - fo * sn, fe * sn + fo * cs
-            rke, rko = ke * cs - ko * sn, ke * sn + ko * cs
+            tm = tmask[:, None] & pmask[None, :]
+            cs = tl.load(cos_ptr + to + t0 * P, mask=tm, other=1.0)
+            sn = tl.load(sin_ptr + to + t0 * P, mask=tm, other=0.0)
+            re, ro = _rotate(fe, fo, cs, sn)
+            rke, rko = _rotate(ke, ko, cs, sn)
         else:
             re, ro, rke, rko = fe, fo, ke, ko
         Pt = tl.where(later, tl.dot(v, tl.trans(dnum), input_precision=PREC), 0.0)  # v_n . dnum_t, t >= n
@@ -333,29 +315,20 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         At = tl.where(later, At, 0.0)
         dv = tl.dot(rke, G_e, input_precision=PREC) + tl.dot(rko, G_o, input_precision=PREC)
         dv += tl.dot(At, dnum, input_precision=PREC)
-        tl.store(dv_ptr + ((i * BH + bh) * N + tok[:, None]) * e + ee[None, :], dv, mask=vm)
+        tl.store(dv_ptr + po + t0 * e, dv, mask=vm)
         dre = tl.dot(v, tl.trans(G_e), input_precision=PREC) + tl.dot(Pt, re, input_precision=PREC)
         dro = tl.dot(v, tl.trans(G_o), input_precision=PREC) + tl.dot(Pt, ro, input_precision=PREC)
+        if ROTARY:
+            dre, dro = _rotate(dre, dro, cs, -sn)
         qe = dden[:, None] * fe
         qo = dden[:, None] * fo
-        dke = Z_e[None, :] + tl.cumsum(qe, axis=0, reverse=True)
-        dko = Z_o[None, :] + tl.cumsum(qo, axis=0, reverse=True)
-        if ROTARY:
-            dke += dre * cs + dro * sn
-            dko += dro * cs - dre * sn
-        else:
-            dke += dre
-            dko += dro
-        dke = dke * km[:, None]
-        dko = dko * km[:, None]
-        _store_feature_grad(dk_ptr, bh, N, tok, tmask, p, pmask, m, d, dke, dko, ke, ko, oke, oko, xk, w_ptr,
-                            scale, i, BH, FAVOR, True, BD, ACC, PREC)
+        dke = (Z_e[None, :] + tl.cumsum(qe, axis=0, reverse=True) + dre) * km[:, None]
+        dko = (Z_o[None, :] + tl.cumsum(qo, axis=0, reverse=True) + dro) * km[:, None]
+        _store_feature_grad(dk_ptr, grow, N, t0, tmask, p, m, d, dke, dko, ke, ko, oke, oko, xk, weT, woT, scale,
+                            FAVOR, True, BD, PREC)
         G_e += tl.dot(tl.trans(re), dnum, input_precision=PREC)
         G_o += tl.dot(tl.trans(ro), dnum, input_precision=PREC)
         Z_e += tl.sum(qe, axis=0)
         Z_o += tl.sum(qo, axis=0)
     if HAS_STATE:
-        tl.store(dS0_ptr + bh * m * e + je[:, None] * e + ee[None, :], G_e, mask=se_mask)
-        tl.store(dS0_ptr + bh * m * e + jo[:, None] * e + ee[None, :], G_o, mask=so_mask)
-        tl.store(dz0_ptr + bh * m + je, Z_e, mask=pmask & (je < m))
-        tl.store(dz0_ptr + bh * m + jo, Z_o, mask=pmask & (jo < m))
+        _store_state(dS0_ptr, dz0_ptr, bh, p, vale, valo, ee, m, e, G_e, G_o, Z_e, Z_o)
