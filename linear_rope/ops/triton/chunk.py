@@ -36,6 +36,12 @@ def _ptrs(meta, like, *more):
     return [stub if t is None else t for t in ts]
 
 
+def _flags(meta, has_state, out_state):
+    """The kernels' runtime switches (see ``kernels._flags``)."""
+    bits = (meta["cos"] is not None) | (meta["km"] is not None) << 1 | has_state << 2 | out_state << 3
+    return 3 + 4 * bits
+
+
 class _TritonCausal(torch.autograd.Function):
     """(q, k, v, S0, z0) -> (out, S, z) in the compute dtype; ``meta`` holds the rest (no grads)."""
 
@@ -44,7 +50,7 @@ class _TritonCausal(torch.autograd.Function):
         BH, N, e = v.shape
         cfg, m = meta["cfg"], meta["m"]
         cdt = meta["cdt"]
-        nb = cfg["nb"]
+        nb = -(-meta["dims"][5] // cfg["kernel"]["BP"])  # blocks of pairs
         num = v.new_empty(nb, BH, N, e, dtype=cdt)
         den = v.new_empty(nb, BH, N, dtype=cdt)
         has_state = S0 is not None
@@ -52,9 +58,8 @@ class _TritonCausal(torch.autograd.Function):
         zT = v.new_empty(BH, m, dtype=cdt) if meta["store_state"] else None
         K._fwd_kernel[(nb, BH)](
             q, k, v, *_ptrs(meta, v, S0, z0, num, den, ST, zT),
-            *meta["dims"], C=cfg["C"], BP=cfg["BP"], BD=cfg["BD"], BE=cfg["BE"], FAVOR=meta["w"] is not None,
-            ROTARY=meta["cos"] is not None, HAS_MASK=meta["km"] is not None, HAS_STATE=has_state,
-            STORE_STATE=ST is not None, ACC=_acc(cdt), PREC=cfg["PREC"], num_warps=cfg["num_warps"])
+            *meta["dims"], _flags(meta, has_state, ST is not None), FAVOR=meta["w"] is not None, ACC=_acc(cdt),
+            **cfg["kernel"])
         den = den.sum(0)
         den = torch.where(den > 0, den, torch.zeros_like(den))  # as naive: <= 0 divides by 1, no gradient
         out = num.sum(0) / _safe(den).unsqueeze(-1)
@@ -72,7 +77,7 @@ class _TritonCausal(torch.autograd.Function):
         meta = ctx.meta
         cfg, m, cdt = meta["cfg"], meta["m"], meta["cdt"]
         BH, N, e = v.shape
-        nb = cfg["nb"]
+        nb = -(-meta["dims"][5] // cfg["kernel"]["BP"])
         g = g.to(cdt)
         if meta["qmask"] is not None:
             g = g * meta["qmask"].unsqueeze(-1)
@@ -91,9 +96,7 @@ class _TritonCausal(torch.autograd.Function):
         gz = gz.to(cdt).contiguous() if has_g else None
         K._bwd_kernel[(nb, BH)](
             q, k, v, *_ptrs(meta, v, S0, z0, dnum, dden, gS, gz, dq, dk, dv, dS0, dz0), *meta["dims"],
-            C=cfg["C"], BP=cfg["BP"], BD=cfg["BD"], BE=cfg["BE"], FAVOR=favor, ROTARY=meta["cos"] is not None,
-            HAS_MASK=meta["km"] is not None, HAS_STATE=has_state, HAS_GSTATE=has_g, ACC=_acc(cdt),
-            PREC=cfg["PREC"], num_warps=cfg["num_warps"])
+            _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **cfg["kernel"])
         if favor:
             dq, dk = dq.sum(0), dk.sum(0)
         return dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dS0, dz0, None
@@ -138,7 +141,7 @@ def rotary_linear_attention(
     e = v.shape[-1]
     m = a.m
     cdt = table_dtype(q.dtype)
-    cfg = pick_config(q.dtype, m, x if projection is not None else m, e)
+    cfg = pick_config(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         q3, k3, v3 = (t.reshape(B * H, N, t.shape[-1]).contiguous() for t in (q, k, v))
         w = c = qmax = cos = sin = km = qm = None
@@ -146,9 +149,8 @@ def rotary_linear_attention(
             w = projection.detach().to(device=q.device, dtype=cdt).contiguous()
             c = pair_shift(w)[0::2].contiguous()  # (P,): one shift per rotation pair
             qmax = q.new_empty(B * H, N, dtype=cdt)
-            K._qmax_kernel[(-(-N // cfg["C"]), B * H)](
-                q3, w, c, qmax, N, m, x, (m + 1) // 2, C=cfg["C"], BP=cfg["BP"], BD=cfg["BD"], ACC=_acc(cdt),
-                PREC=cfg["PREC"], num_warps=cfg["num_warps"])
+            K._qmax_kernel[(-(-N // cfg["qmax"]["C"]), B * H)](
+                q3, w, c, qmax, N, m, x, (m + 1) // 2, ACC=_acc(cdt), **cfg["qmax"])
         if rotary:
             cos, sin = rotary_tables(N, m, offset=a.offset if a.positions is None else 0, base=base, dtype=cdt,
                                      device=q.device, positions=a.positions)

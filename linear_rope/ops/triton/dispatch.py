@@ -14,12 +14,14 @@ import os
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "MAX_HEAD_DIM", "pick_config", "should_use_triton", "supports", "triton_available"]
+__all__ = ["BACKENDS", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", "dispatch_configs", "pick_config", "should_use_triton",
+           "supports", "triton_available"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton")
-MAX_HEAD_DIM = 128  # d and e: the largest the sm_90 compile test checks against the H100's shared memory
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the sm_90 compile test checks this size
+NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu-triton.md)
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def triton_available() -> bool:
@@ -31,21 +33,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())
+def pick_config(dtype: torch.dtype) -> dict:
+    """The kernels' launch parameters: one config per input dtype, chosen here on the CPU (no
+    autotune, so the interpreter and the sm_90 compile test see exactly what runs).
+
+    C = 64 tokens per chunk; BP = 32 rotation pairs per program (m = 266 is 133 pairs: 5
+    blocks, 20% padding); BD = BE = 64: d and e padded to 64 (the paper's head size; smaller
+    heads pay for the padding). GEMM precision: TF32 for bf16 / fp16 inputs (they carry 8-11
+    bits; TF32 keeps 10), TF32x3 (about fp32 accuracy on tensor cores) for fp32 inputs, fp64
+    for fp64 (the interpreter only: on CUDA float64 takes the torch path)."""
+    prec = {torch.float16: "tf32", torch.bfloat16: "tf32", torch.float32: "tf32x3"}.get(dtype, "ieee")
+    common = dict(C=64, BP=32, BD=MAX_HEAD_DIM, PREC=prec, num_warps=4, num_stages=NUM_STAGES)
+    return dict(kernel=dict(common, BE=MAX_HEAD_DIM), qmax=common)
 
 
-def pick_config(dtype: torch.dtype, m: int, d: int, e: int) -> dict:
-    """The kernels' block sizes for a call: one config per shape, chosen here on the CPU (no autotune).
-
-    C: tokens per chunk; BP: rotation pairs per program (16 when m <= 32, else 32: m = 266 is
-    133 pairs in 5 blocks, 20% padding); BD, BE: d and e padded to a power of two (>= 16, the
-    smallest ``tl.dot``). float64 halves the chunk (twice the bytes per element).
-    PREC: exact fp32 GEMMs for fp32 inputs, TF32 for bf16 / fp16 inputs, fp64 for fp64."""
-    P = (m + 1) // 2
-    BP = 16 if P <= 16 else 32
-    return dict(C=32 if dtype == torch.float64 else 64, BP=BP, nb=-(-P // BP), BD=_pow2(d), BE=_pow2(e),
-                PREC="tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee", num_warps=4)
+def dispatch_configs() -> list[tuple[torch.dtype, dict]]:
+    """Every (input dtype, config) the dispatch can pick on CUDA: what the sm_90 compile test builds."""
+    return [(dt, pick_config(dt)) for dt in GPU_DTYPES]
 
 
 def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, projection=None, mask=None,
@@ -64,8 +68,8 @@ def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, proje
         return False, "cu_seqlens (packed documents) is not implemented in the kernels"
     if key_mask is not None or k.shape[2] != q.shape[2]:
         return False, "cross-attention (key_mask, or k of another length) is bidirectional only (torch path)"
-    if q.dtype not in _DTYPES:
-        return False, f"dtype {q.dtype} (kernels take float16, bfloat16, float32, float64)"
+    if q.dtype not in GPU_DTYPES and not (q.dtype == torch.float64 and _interpreting()):
+        return False, f"dtype {q.dtype}: the kernels take float16, bfloat16 and float32 (float64: the interpreter only)"
     d, e = q.shape[-1], v.shape[-1]
     if (projection is not None and d > MAX_HEAD_DIM) or e > MAX_HEAD_DIM:
         return False, f"head dims d={d}, e={e}: the kernels take d, e <= {MAX_HEAD_DIM}"

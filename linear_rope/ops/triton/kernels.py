@@ -57,18 +57,14 @@ def _block(w_ptr, c_ptr, i, m, d, P, BP: tl.constexpr, BD: tl.constexpr, FAVOR: 
 
 @triton.jit
 def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
-              FAVOR: tl.constexpr, HAS_MASK: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr,
-              PREC: tl.constexpr):
+              has_mask, FAVOR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """phi(q), phi(k) of the chunk at token t0, even and odd halves `[C, BP]` (padded pairs and
     tokens, and masked keys, are 0); q' and k' `[C, BD]` (FAVOR+); the keys' not-clamped masks
     (the gradient passes where floor <= exponent <= 0, as through torch's clamp); the key mask."""
     tok = t0 + tl.arange(0, tmask.shape[0])
     fme = tmask[:, None] & vale[None, :]
     fmo = tmask[:, None] & valo[None, :]
-    if HAS_MASK:
-        km = tl.load(km_row + tok, mask=tmask, other=0).to(ACC)
-    else:
-        km = tl.where(tmask, 1.0, 0.0).to(ACC)
+    km = tl.where(tmask, tl.load(km_row + tok, mask=tmask & has_mask, other=1.0).to(ACC), 0.0)
     if FAVOR:
         dd = tl.arange(0, BD)
         xo = tok[:, None] * x_dim + dd[None, :]
@@ -99,12 +95,30 @@ def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT
 
 
 @triton.jit
+def _flags(FLAGS):
+    """The runtime switches, packed as FLAGS = 3 + 4 * bits (odd and > 1, so Triton's integer
+    specialisation never forks a variant): rotary, mask, initial state, output-state gradient."""
+    bits = (FLAGS - 3) // 4
+    return (bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0, (bits & 8) != 0
+
+
+@triton.jit
+def _tables(cos_ptr, sin_ptr, to, tmask, pmask, rotary):
+    """cos, sin `[C, BP]` of the chunk; 1 and 0 (no rotation: Eq. 18) where not rotary."""
+    tm = tmask[:, None] & pmask[None, :] & rotary
+    return tl.load(cos_ptr + to, mask=tm, other=1.0), tl.load(sin_ptr + to, mask=tm, other=0.0)
+
+
+@triton.jit
 def _rotate(fe, fo, cs, sn):
     """RoPE on pairs (even, odd) by tables cos, sin `[C, BP]`; (cs, -sn) rotates back."""
     return fe * cs - fo * sn, fe * sn + fo * cs
 
 
-@triton.jit
+_INTS = ["N", "H", "m", "d", "e", "P", "x_dim", "tab_rows", "FLAGS"]  # never specialised: see ``aot.py``
+
+
+@triton.jit(do_not_specialize=["N", "m", "d", "P"])
 def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
                  C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """qmax[bh, t] = max_j (w_j . q_t' + c_j): the FAVOR+ query stabiliser over all m features."""
@@ -126,50 +140,43 @@ def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
 
 
 @triton.jit
-def _load_state(ptr, zptr, bh, p, vale, valo, ee, m, e, ON: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
-                ACC: tl.constexpr):
-    """S `[BH, m, e]`, z `[BH, m]` rows of the pairs: (S_e, S_o `[BP, BE]`, z_e, z_o `[BP]`); zeros if not ON."""
-    if ON:
-        so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
-        em = ee[None, :] < e
-        S_e = tl.load(ptr + so, mask=vale[:, None] & em, other=0.0).to(ACC)
-        S_o = tl.load(ptr + so + e, mask=valo[:, None] & em, other=0.0).to(ACC)
-        z_e = tl.load(zptr + bh * m + 2 * p, mask=vale, other=0.0).to(ACC)
-        z_o = tl.load(zptr + bh * m + 2 * p + 1, mask=valo, other=0.0).to(ACC)
-    else:
-        S_e = tl.zeros((BP, BE), ACC)
-        S_o = tl.zeros((BP, BE), ACC)
-        z_e = tl.zeros((BP,), ACC)
-        z_o = tl.zeros((BP,), ACC)
+def _load_state(ptr, zptr, bh, p, vale, valo, ee, m, e, on, ACC: tl.constexpr):
+    """S `[BH, m, e]`, z `[BH, m]` rows of the pairs: (S_e, S_o `[BP, BE]`, z_e, z_o `[BP]`); zeros if not on."""
+    so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
+    em = (ee[None, :] < e) & on
+    S_e = tl.load(ptr + so, mask=vale[:, None] & em, other=0.0).to(ACC)
+    S_o = tl.load(ptr + so + e, mask=valo[:, None] & em, other=0.0).to(ACC)
+    z_e = tl.load(zptr + bh * m + 2 * p, mask=vale & on, other=0.0).to(ACC)
+    z_o = tl.load(zptr + bh * m + 2 * p + 1, mask=valo & on, other=0.0).to(ACC)
     return S_e, S_o, z_e, z_o
 
 
 @triton.jit
-def _store_state(ptr, zptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o):
+def _store_state(ptr, zptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o, on):
     so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
-    em = ee[None, :] < e
+    em = (ee[None, :] < e) & on
     tl.store(ptr + so, S_e, mask=vale[:, None] & em)
     tl.store(ptr + so + e, S_o, mask=valo[:, None] & em)
-    tl.store(zptr + bh * m + 2 * p, z_e, mask=vale)
-    tl.store(zptr + bh * m + 2 * p + 1, z_o, mask=valo)
+    tl.store(zptr + bh * m + 2 * p, z_e, mask=vale & on)
+    tl.store(zptr + bh * m + 2 * p + 1, z_o, mask=valo & on)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_INTS)
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, s0_ptr, z0_ptr,
                 num_ptr, den_ptr, sT_ptr, zT_ptr,
-                N, H, m, d, e, P, x_dim, tab_rows, FLOOR,
+                N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
                 C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                FAVOR: tl.constexpr, ROTARY: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATE: tl.constexpr,
-                STORE_STATE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """Program (i, bh): pairs [i BP, (i+1) BP) of row-head bh over all N tokens.
     num `[nb, BH, N, e]`, den `[nb, BH, N]` partials; final S `[BH, m, e]`, z `[BH, m]`."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     BH = tl.num_programs(1)
     b = bh // H
     scale = _scale(d, ACC)
+    rotary, has_mask, has_state, has_out_state = _flags(FLAGS)
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
-    S_e, S_o, z_e, z_o = _load_state(s0_ptr, z0_ptr, bh, p, vale, valo, ee, m, e, HAS_STATE, BP, BE, ACC)
+    S_e, S_o, z_e, z_o = _load_state(s0_ptr, z0_ptr, bh, p, vale, valo, ee, m, e, has_state, ACC)
     q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
     ar = tl.arange(0, C)
     causal = ar[:, None] >= ar[None, :]
@@ -180,23 +187,16 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         tmask = t0 + ar < N
         vm = tmask[:, None] & (ee[None, :] < e)
         fe, fo, ke, ko, _, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
-                                                  vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, FAVOR,
-                                                  HAS_MASK, BD, ACC, PREC)
+                                                  vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
+                                                  FAVOR, BD, ACC, PREC)
         v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
-        if ROTARY:
-            tm = tmask[:, None] & pmask[None, :]
-            cs = tl.load(cos_ptr + to + t0 * P, mask=tm, other=1.0)
-            sn = tl.load(sin_ptr + to + t0 * P, mask=tm, other=0.0)
-            re, ro = _rotate(fe, fo, cs, sn)
-            rke, rko = _rotate(ke, ko, cs, sn)
-            den = tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)),
-                         axis=1)
-        else:
-            re, ro, rke, rko = fe, fo, ke, ko
+        cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
+        re, ro = _rotate(fe, fo, cs, sn)
+        rke, rko = _rotate(ke, ko, cs, sn)
+        # the denominator: unrotated, phi(q_t) . (z + sum_{n <= t} phi(k_n))
+        den = tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)), axis=1)
         A = tl.dot(re, tl.trans(rke), input_precision=PREC) + tl.dot(ro, tl.trans(rko), input_precision=PREC)
         A = tl.where(causal, A, 0.0)
-        if not ROTARY:  # Eq. 18: the numerator's weights are the denominator's
-            den = tl.sum(A, axis=1) + tl.sum(fe * z_e[None, :] + fo * z_o[None, :], axis=1)
         num = tl.dot(re, S_e, input_precision=PREC) + tl.dot(ro, S_o, input_precision=PREC)
         num += tl.dot(A, v, input_precision=PREC)
         tl.store(num_ptr + po + t0 * e, num, mask=vm)
@@ -205,8 +205,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         S_o += tl.dot(tl.trans(rko), v, input_precision=PREC)
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
-    if STORE_STATE:
-        _store_state(sT_ptr, zT_ptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o)
+    _store_state(sT_ptr, zT_ptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o, has_out_state)
 
 
 @triton.jit
@@ -232,20 +231,20 @@ def _store_feature_grad(ptr, row, N, t0, tmask, p, m, d, dfe, dfo, fe, fo, oke, 
         tl.store(ptr + off + 1, dfo, mask=oko)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_INTS)
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, s0_ptr, z0_ptr,
                 dnum_ptr, dden_ptr, gS_ptr, gz_ptr, dq_ptr, dk_ptr, dv_ptr, dS0_ptr, dz0_ptr,
-                N, H, m, d, e, P, x_dim, tab_rows, FLOOR,
+                N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
                 C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                FAVOR: tl.constexpr, ROTARY: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATE: tl.constexpr,
-                HAS_GSTATE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
     """Program (i, bh) as in the forward. dnum `[BH, N, e]` = g / den, dden `[BH, N]` = -g.out / den.
     dv `[nb, BH, N, e]` partials; dq, dk partials `[nb, BH, N, d]` (FAVOR+) or `[BH, N, m]`;
-    dS0, dz0 `[BH, m, e]`, `[BH, m]` (HAS_STATE)."""
+    dS0, dz0 `[BH, m, e]`, `[BH, m]` (initial state)."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     BH = tl.num_programs(1)
     b = bh // H
     scale = _scale(d, ACC)
+    rotary, has_mask, has_state, has_out_state = _flags(FLAGS)
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
     q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
@@ -255,31 +254,25 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
     po = ((i * BH + bh) * N + ar[:, None]) * e + ee[None, :]
     to = (b % tab_rows) * N * P + ar[:, None] * P + p[None, :]
     # sweep 1, forward: dq needs the state before each chunk
-    S_e, S_o, z_e, z_o = _load_state(s0_ptr, z0_ptr, bh, p, vale, valo, ee, m, e, HAS_STATE, BP, BE, ACC)
+    S_e, S_o, z_e, z_o = _load_state(s0_ptr, z0_ptr, bh, p, vale, valo, ee, m, e, has_state, ACC)
     causal = ar[:, None] >= ar[None, :]  # [t, n]: n <= t
     for t0 in range(0, N, C):
         tmask = t0 + ar < N
         vm = tmask[:, None] & (ee[None, :] < e)
         fe, fo, ke, ko, xq, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
-                                                   vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, FAVOR,
-                                                   HAS_MASK, BD, ACC, PREC)
+                                                   vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
+                                                   FAVOR, BD, ACC, PREC)
         v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
         dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
         dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
         Pm = tl.where(causal, tl.dot(dnum, tl.trans(v), input_precision=PREC), 0.0)  # dnum_t . v_n, n <= t
         dfe = dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
         dfo = dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
-        if ROTARY:
-            tm = tmask[:, None] & pmask[None, :]
-            cs = tl.load(cos_ptr + to + t0 * P, mask=tm, other=1.0)
-            sn = tl.load(sin_ptr + to + t0 * P, mask=tm, other=0.0)
-            rke, rko = _rotate(ke, ko, cs, sn)
-        else:
-            rke, rko = ke, ko
+        cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
+        rke, rko = _rotate(ke, ko, cs, sn)
         dre = tl.dot(dnum, tl.trans(S_e), input_precision=PREC) + tl.dot(Pm, rke, input_precision=PREC)
         dro = tl.dot(dnum, tl.trans(S_o), input_precision=PREC) + tl.dot(Pm, rko, input_precision=PREC)
-        if ROTARY:  # R^T: rotate back
-            dre, dro = _rotate(dre, dro, cs, -sn)
+        dre, dro = _rotate(dre, dro, cs, -sn)  # R^T: rotate back
         fme = tmask[:, None] & vale[None, :]
         fmo = tmask[:, None] & valo[None, :]
         _store_feature_grad(dq_ptr, grow, N, t0, tmask, p, m, d, dfe + dre, dfo + dro, fe, fo, fme, fmo, xq, weT,
@@ -289,7 +282,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
     # sweep 2, reverse: G = gS + sum over later tokens of rq dnum^T, Z = gz + sum dden phi(q)
-    G_e, G_o, Z_e, Z_o = _load_state(gS_ptr, gz_ptr, bh, p, vale, valo, ee, m, e, HAS_GSTATE, BP, BE, ACC)
+    G_e, G_o, Z_e, Z_o = _load_state(gS_ptr, gz_ptr, bh, p, vale, valo, ee, m, e, has_out_state, ACC)
     later = ar[:, None] <= ar[None, :]  # [n, t]: t >= n
     n_chunks = tl.cdiv(N, C)
     for jc in range(0, n_chunks):
@@ -298,18 +291,13 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         vm = tmask[:, None] & (ee[None, :] < e)
         fe, fo, ke, ko, _, xk, oke, oko, km = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask,
                                                         p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
-                                                        FAVOR, HAS_MASK, BD, ACC, PREC)
+                                                        has_mask, FAVOR, BD, ACC, PREC)
         v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
         dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
         dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
-        if ROTARY:
-            tm = tmask[:, None] & pmask[None, :]
-            cs = tl.load(cos_ptr + to + t0 * P, mask=tm, other=1.0)
-            sn = tl.load(sin_ptr + to + t0 * P, mask=tm, other=0.0)
-            re, ro = _rotate(fe, fo, cs, sn)
-            rke, rko = _rotate(ke, ko, cs, sn)
-        else:
-            re, ro, rke, rko = fe, fo, ke, ko
+        cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
+        re, ro = _rotate(fe, fo, cs, sn)
+        rke, rko = _rotate(ke, ko, cs, sn)
         Pt = tl.where(later, tl.dot(v, tl.trans(dnum), input_precision=PREC), 0.0)  # v_n . dnum_t, t >= n
         At = tl.dot(rke, tl.trans(re), input_precision=PREC) + tl.dot(rko, tl.trans(ro), input_precision=PREC)
         At = tl.where(later, At, 0.0)
@@ -318,8 +306,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         tl.store(dv_ptr + po + t0 * e, dv, mask=vm)
         dre = tl.dot(v, tl.trans(G_e), input_precision=PREC) + tl.dot(Pt, re, input_precision=PREC)
         dro = tl.dot(v, tl.trans(G_o), input_precision=PREC) + tl.dot(Pt, ro, input_precision=PREC)
-        if ROTARY:
-            dre, dro = _rotate(dre, dro, cs, -sn)
+        dre, dro = _rotate(dre, dro, cs, -sn)
         qe = dden[:, None] * fe
         qo = dden[:, None] * fo
         dke = (Z_e[None, :] + tl.cumsum(qe, axis=0, reverse=True) + dre) * km[:, None]
@@ -330,5 +317,4 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         G_o += tl.dot(tl.trans(ro), dnum, input_precision=PREC)
         Z_e += tl.sum(qe, axis=0)
         Z_o += tl.sum(qo, axis=0)
-    if HAS_STATE:
-        _store_state(dS0_ptr, dz0_ptr, bh, p, vale, valo, ee, m, e, G_e, G_o, Z_e, Z_o)
+    _store_state(dS0_ptr, dz0_ptr, bh, p, vale, valo, ee, m, e, G_e, G_o, Z_e, Z_o, has_state)
