@@ -21,6 +21,8 @@ ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton")
 MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the sm_90 compile test checks this size
 NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu-triton.md)
+NUM_WARPS = 8  # 256 threads share the [64, 64] state tiles: fewer registers per thread than 4 warps
+CHUNK = 32  # tokens per chunk: 64 spilled registers on sm_90 (5.6 KB in the backward at 8 warps)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -43,7 +45,7 @@ def pick_config(dtype: torch.dtype) -> dict:
     bits; TF32 keeps 10), TF32x3 (about fp32 accuracy on tensor cores) for fp32 inputs, fp64
     for fp64 (the interpreter only: on CUDA float64 takes the torch path)."""
     prec = {torch.float16: "tf32", torch.bfloat16: "tf32", torch.float32: "tf32x3"}.get(dtype, "ieee")
-    common = dict(C=64, BP=32, BD=MAX_HEAD_DIM, PREC=prec, num_warps=4, num_stages=NUM_STAGES)
+    common = dict(C=CHUNK, BP=32, BD=MAX_HEAD_DIM, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return dict(kernel=dict(common, BE=MAX_HEAD_DIM), qmax=common)
 
 
@@ -62,12 +64,12 @@ def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, proje
         return False, "triton is not installed (pip install 'linear_rope[triton]')"
     if not (q.is_cuda or _interpreting()):
         return False, f"tensors on {q.device.type}: the kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
+    if key_mask is not None or k.shape[2] != q.shape[2]:
+        return False, "cross-attention (key_mask, or k of another length) is bidirectional only (torch path)"
     if not causal:
         return False, "causal=False: the bidirectional closed form is a few GEMMs already (torch path)"
     if cu_seqlens is not None:
         return False, "cu_seqlens (packed documents) is not implemented in the kernels"
-    if key_mask is not None or k.shape[2] != q.shape[2]:
-        return False, "cross-attention (key_mask, or k of another length) is bidirectional only (torch path)"
     if q.dtype not in GPU_DTYPES and not (q.dtype == torch.float64 and _interpreting()):
         return False, f"dtype {q.dtype}: the kernels take float16, bfloat16 and float32 (float64: the interpreter only)"
     d, e = q.shape[-1], v.shape[-1]

@@ -131,7 +131,7 @@ def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
                 other=0.0)
     xs = x.to(ACC) * scale
     best = tl.full((C,), float("-inf"), ACC)
-    for i in range(0, tl.cdiv(P, BP)):
+    for i in range(0, (P + BP - 1) // BP):
         p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, True, ACC)
         se = tl.where(vale[None, :], tl.dot(xs, weT, input_precision=PREC) + c[None, :], float("-inf"))
         so = tl.where(valo[None, :], tl.dot(xs, woT, input_precision=PREC) + c[None, :], float("-inf"))
@@ -284,7 +284,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
     # sweep 2, reverse: G = gS + sum over later tokens of rq dnum^T, Z = gz + sum dden phi(q)
     G_e, G_o, Z_e, Z_o = _load_state(gS_ptr, gz_ptr, bh, p, vale, valo, ee, m, e, has_out_state, ACC)
     later = ar[:, None] <= ar[None, :]  # [n, t]: t >= n
-    n_chunks = tl.cdiv(N, C)
+    n_chunks = (N + C - 1) // C
     for jc in range(0, n_chunks):
         t0 = (n_chunks - 1 - jc) * C
         tmask = t0 + ar < N
