@@ -39,18 +39,27 @@ from linear_rope.ops.triton.dispatch import ENV_VAR, dispatch_configs  # noqa: E
 ROOT = Path(__file__).resolve().parents[1]
 
 
+AOT_SHARDS = 2  # compile processes beside the interpreter tests (the compile is the longer half)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def aot_job(tmp_path_factory):
-    """Start the sm_90 compile of every build now, in a fresh cache; ``test_sm90_compile`` reads it."""
+def aot_jobs(tmp_path_factory):
+    """Start the sm_90 compile of every build now, in a fresh cache, split over ``AOT_SHARDS``
+    processes; ``test_sm90_compile`` collects them."""
     tmp = tmp_path_factory.mktemp("aot")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "cache"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "linear_rope.ops.triton.aot", "--json", str(tmp / "aot.json")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield proc, tmp / "aot.json"
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    jobs = []
+    for i in range(AOT_SHARDS):
+        out = tmp / f"aot{i}.json"
+        cmd = [sys.executable, "-m", "linear_rope.ops.triton.aot", "--shard", f"{i}/{AOT_SHARDS}", "--json", str(out)]
+        jobs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True), out))
+    yield jobs
+    for proc, _ in jobs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _inputs(dtype, N, *, fused, m=10, d=8, e=8, B=1, H=1, seed=0):
@@ -209,12 +218,14 @@ def test_bad_input_and_double_backward():
         torch.autograd.grad(out.sum(), q, create_graph=True)
 
 
-def test_sm90_compile(aot_job):
+def test_sm90_compile(aot_jobs):
     """Every kernel in every config ``dispatch`` can pick builds for sm_90 and fits an H100 block."""
-    proc, path = aot_job
-    log, _ = proc.communicate(timeout=600)
-    assert path.is_file(), log[-3000:]
-    rows = json.loads(path.read_text())
+    rows = []
+    for proc, path in aot_jobs:
+        log, _ = proc.communicate(timeout=600)
+        assert path.is_file(), log[-3000:]
+        rows += json.loads(path.read_text())
+        assert proc.returncode == 0, log[-3000:]
     built = {(r["kernel"], r["dtype"], r["favor"]) for r in rows}
     want = {(k, str(dt).removeprefix("torch."), f) for dt, _ in dispatch_configs()
             for k, f in [("_qmax_kernel", True)] + [(n, f) for n in ("_fwd_kernel", "_bwd_kernel") for f in (True, False)]}
@@ -222,4 +233,3 @@ def test_sm90_compile(aot_job):
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert all(0 < r["shared_bytes"] <= H100_SMEM_PER_BLOCK for r in rows)
-    assert proc.returncode == 0, log[-3000:]

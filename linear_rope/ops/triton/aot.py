@@ -67,11 +67,12 @@ def compile_one(fn, dtype: str, favor: bool, cfg: dict):
     return kernel, log.getvalue()
 
 
-def run(only: str | None = None) -> list[dict]:
-    """Compile every build (``only``: a dtype name, to compile one dtype's); one row each."""
+def run(only: str | None = None, shard: tuple[int, int] = (0, 1)) -> list[dict]:
+    """Compile every build (``only``: a dtype name, to compile one dtype's; ``shard`` (i, n): every
+    n-th build from the i-th, for n processes side by side); one row each."""
     rows = []
-    for name, fn, dtype, favor, cfg in _builds():
-        if only and dtype != only:
+    for j, (name, fn, dtype, favor, cfg) in enumerate(_builds()):
+        if (only and dtype != only) or j % shard[1] != shard[0]:
             continue
         row = dict(kernel=name, dtype=dtype, favor=favor,
                    config={k: v for k, v in cfg.items() if k != "num_warps"} | {"num_warps": cfg["num_warps"]})
@@ -97,11 +98,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--dtype", choices=sorted(_TL), help="compile one input dtype's kernels only")
+    ap.add_argument("--shard", default="0/1", help="i/n: compile every n-th build from the i-th (parallel runs)")
     args = ap.parse_args(argv)
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
+    except (ValueError, AssertionError):
+        print(f"aot: --shard must be i/n with 0 <= i < n, got {args.shard!r}", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot: unset TRITON_INTERPRET (the compile needs the real JIT)", file=sys.stderr)
         return 2
-    rows = run(args.dtype)
+    rows = run(args.dtype, shard)
     for r in rows:
         what = (f"{r['shared_bytes']:>7} B smem, {r['registers']} regs, spills {r['spill_store_bytes']}/"
                 f"{r['spill_load_bytes']} B" if "shared_bytes" in r else r["error"])
