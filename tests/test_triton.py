@@ -200,9 +200,10 @@ def test_supports_names_what_goes_to_torch(monkeypatch):
         "cu_seqlens": dict(cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32)),
         "cross-attention": dict(key_mask=torch.ones(1, 8, dtype=torch.bool), causal=False, rotary=False),
         "head dims": dict(v=big),
+        "empty batch": dict(v=v[:0], q=q[:0], k=k[:0]),
     }
     for why, kw in cases.items():
-        args = dict(q=q, k=k, v=kw.pop("v", v))
+        args = dict(q=kw.pop("q", q), k=kw.pop("k", k), v=kw.pop("v", v))
         ok, reason = supports(**args, projection=w, **kw)
         assert not ok and why in reason, (why, reason)
         with pytest.raises(ValueError, match="triton"):

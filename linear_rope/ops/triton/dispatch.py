@@ -72,6 +72,8 @@ def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, proje
         return False, "cu_seqlens (packed documents) is not implemented in the kernels"
     if q.dtype not in GPU_DTYPES and not (q.dtype == torch.float64 and _interpreting()):
         return False, f"dtype {q.dtype}: the kernels take float16, bfloat16 and float32 (float64: the interpreter only)"
+    if q.numel() == 0 or v.numel() == 0:
+        return False, "an empty batch or head dim: nothing for a kernel to do (torch path)"
     d, e = q.shape[-1], v.shape[-1]
     if (projection is not None and d > MAX_HEAD_DIM) or e > MAX_HEAD_DIM:
         return False, f"head dims d={d}, e={e}: the kernels take d, e <= {MAX_HEAD_DIM}"
