@@ -22,7 +22,7 @@ from linear_rope import (
     rotary_linear_attention_step,
 )
 
-from .gpu_common import Ctx, one_line
+from .gpu_common import NEEDS_CUDA, Ctx, one_line
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 FULL = dict(B=2, H=3, N=300, d=64, m=266)  # paper head dims; N > one 256-token block
@@ -152,13 +152,13 @@ def _run(op, call, xs, W, ups=None):
     return out, st, grads, ups
 
 
-def _check_case(name, inputs, call, dtype, ctx: Ctx, W32) -> dict:
-    tol = tolerance(dtype)
+def _check_case(name, inputs, call, dtype, ctx: Ctx, W32, op=rotary_linear_attention, tol=None) -> dict:
+    tol = tol or tolerance(dtype)
     rec = {"check": name, "dtype": str(dtype)[6:], "rtol": tol["rtol"], "atol": tol["atol"],
            "grad_atol": tol["grad_atol"], "why": tol["why"]}
     xs = [t.to(ctx.device, dtype).requires_grad_() for t in inputs]
     refs = [t.detach().double().requires_grad_() for t in xs]  # the same rounded values
-    out, st, grads, ups = _run(rotary_linear_attention, call, xs, W32.double() if dtype == torch.float64 else W32)
+    out, st, grads, ups = _run(op, call, xs, W32.double() if dtype == torch.float64 else W32)
     rout, rst, rgrads, _ = _run(naive_rotary_linear_attention, call, refs, W32.double(), ups)
     names = ["out", *("S", "z")[:len(st)], "dq", "dk", "dv"]
     fast, ref = [out, *st, *grads], [rout, *rst, *rgrads]
@@ -174,6 +174,52 @@ def _check_case(name, inputs, call, dtype, ctx: Ctx, W32) -> dict:
                naive_fp32_max_rel_to_max=max((e.get("naive_fp32_max_rel_to_max", 0.0) for e in errs.values())),
                passed=bool(worst <= 1.0))
     return rec
+
+
+def triton_tolerance(dtype: torch.dtype) -> dict:
+    """The Triton kernels' tolerances: fp32 inputs run TF32x3 GEMMs (about fp32's accuracy), so
+    float32's; bf16 / fp16 inputs run TF32 GEMMs (10-bit mantissa, unit round-off 4.9e-4) on
+    float32 data, rounded once to the input dtype. Not yet measured on a GPU: set from TF32's
+    round-off with 4x headroom, to be tightened from the first device run."""
+    if dtype == torch.float32:
+        return tolerance(dtype)
+    t = tolerance(dtype)
+    return dict(t, rtol=t["rtol"] + 2e-3, atol=2e-3, grad_atol=2e-3,
+                why="TF32 GEMMs (unit round-off 4.9e-4, 4x headroom; not yet measured on a GPU), then " + t["why"])
+
+
+def _triton_checks(ctx: Ctx, cases: dict, W32, attempt) -> str:
+    """The Triton kernels (``linear_rope.ops.triton``) on every case they take, against the same
+    float64 reference; the cases they route to the torch path are listed, not checked."""
+    from linear_rope.ops.triton import supports, triton_available
+
+    if not ctx.cuda:
+        return f"{NEEDS_CUDA} (the Triton kernels; the CPU checks them in tests/test_triton.py)"
+    if not triton_available():
+        return "skipped: triton is not installed"
+    from linear_rope.ops.triton import rotary_linear_attention as triton_op
+
+    routed = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for name, (inputs, call) in cases.items():
+            probe = [t[:, :, :2].to(ctx.device, dtype) for t in inputs]
+
+            def taken(q, k, v, **kw):  # the call's own keywords, judged by ``supports``
+                ok, why = supports(q, k, v, **kw)
+                if not ok:
+                    raise LookupError(why)
+                return q
+            try:
+                call(taken, *probe, W32)
+            except LookupError as e:
+                if dtype == torch.float32:
+                    routed.append(f"{name} ({e})")
+                continue
+            except Exception:  # noqa: BLE001 - the probe's shapes; the real call below decides
+                pass
+            attempt(f"triton: {name}", dtype, _check_case, f"triton: {name}", inputs, call, dtype, ctx, W32,
+                    op=triton_op, tol=triton_tolerance(dtype))
+    return "routed to the torch path: " + "; ".join(routed) if routed else "every case taken"
 
 
 def _layer_context(ctx: Ctx, s: dict) -> dict:
@@ -325,6 +371,7 @@ def run(ctx: Ctx) -> dict:
     for dtype in DTYPES:
         for name, (inputs, call) in cases.items():
             attempt(name, dtype, _check_case, name, inputs, call, dtype, ctx, W32)
+    triton_note = _triton_checks(ctx, cases, W32, attempt)
     attempt("layer context", torch.float64, _layer_context, ctx, s)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         attempt("causality op", dtype, _causality_op, ctx, s, dtype)
@@ -340,4 +387,5 @@ def run(ctx: Ctx) -> dict:
         checks.append({"check": "training steps finite: paper preset fp16", "dtype": "float16", "passed": None,
                        "error": "skipped: needs CUDA (the paper preset is too slow for the CPU quick mode)"})
     failed = [c["check"] + " / " + c["dtype"] for c in checks if c["passed"] is False]
-    return {"sizes": s, "checks": checks, "passed": sum(c["passed"] is True for c in checks), "failed": failed}
+    return {"sizes": s, "checks": checks, "passed": sum(c["passed"] is True for c in checks), "failed": failed,
+            "triton": triton_note}

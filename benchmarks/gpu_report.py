@@ -48,12 +48,15 @@ def _correctness(p: dict) -> list[str]:
     if rows:
         out += [format_table(["check", "dtype", "worst error / tolerance", "max error / max abs(ref)",
                               "same, naive in fp32", "rtol / atol / grad atol", "result"], rows), ""]
-    whys = {c["dtype"]: c["why"] for c in checks if "why" in c}
+    whys = {("Triton kernels, " if c["check"].startswith("triton:") else "") + c["dtype"]: c["why"]
+            for c in checks if "why" in c}
     out += ["Fast vs naive: every element must obey abs(fast - ref) <= atol * max abs(ref) + rtol * abs(ref) "
             "(grad atol for the gradients), ref = the naive op in float64 on the same rounded inputs (outputs, "
             "final states, gradients of q, k, v for a random upstream gradient). \"same, naive in fp32\": the error "
             "of the naive op run in float32 and rounded like the fast path, for comparison.",
             *[f"- {d}: {w}" for d, w in whys.items()], ""]
+    if p.get("triton"):
+        out += [f"Triton kernels (``linear_rope.ops.triton``): {p['triton']}.", ""]
     return out
 
 

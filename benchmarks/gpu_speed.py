@@ -5,6 +5,8 @@ Implementations (q, k, v `[B, H, N, 64]` bf16; fla's in its own `[B, N, H, K]` l
 * ``ours``: ``linear_rope.rotary_linear_attention(q, k, v, projection=W)``, W `[266, 64]`: causal
   Eq. 19 with FAVOR+ inside, the path ``RotaryLinearAttention`` takes. It computes in float32
   whatever the input dtype (see ``linear_rope.ops.chunk``).
+* ``ours_triton``: the same call on the Triton kernels (``linear_rope.ops.triton``): FAVOR+,
+  RoPE and the running state on chip, TF32 GEMMs on bf16 inputs (CUDA with Triton only).
 * ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on CUDA (the default backend, with a note, if
   flash cannot run); exact softmax attention.
@@ -94,12 +96,26 @@ def _performer(ctx: Ctx):
     return fa, f"performer_pytorch FastAttention(64, 266, causal=True), bf16, causal path {path}"
 
 
+def _ours_triton(ctx: Ctx, W):
+    from linear_rope.ops.triton import triton_available
+
+    if not ctx.cuda:
+        return None, f"{NEEDS_CUDA} (the Triton kernels)"
+    if not triton_available():
+        return None, "skipped: triton is not installed"
+    from linear_rope.ops.triton import rotary_linear_attention as op
+
+    return (lambda q, k, v: op(q, k, v, projection=W)), \
+        "linear_rope.ops.triton.rotary_linear_attention(projection=W [266, 64]): fused Triton kernels, TF32 GEMMs"
+
+
 def impls(ctx: Ctx) -> dict:
     """name -> (fn or None, description or skip reason)."""
     res = {}
     W = FavorFeatures(D, M).projection.to(ctx.device)
     res["ours"] = (lambda q, k, v: rotary_linear_attention(q, k, v, projection=W),
                    "linear_rope.rotary_linear_attention(projection=W [266, 64]), causal Eq. 19, float32 inside")
+    res["ours_triton"] = _ours_triton(ctx, W)
     for name, make in (("sdpa", lambda: _flash(ctx)), ("fla_chunk", lambda: _fla(ctx, False)),
                        ("fla_fused_chunk", lambda: _fla(ctx, True)), ("performer", lambda: _performer(ctx))):
         try:
@@ -110,7 +126,7 @@ def impls(ctx: Ctx) -> dict:
 
 
 def _flops(impl: str, n: int, heads: int, backward: bool) -> float:
-    if impl == "ours":
+    if impl.startswith("ours"):  # the kernels do the torch path's GEMMs (and no more)
         return ours_flops(n, d=D, m=M, heads=heads, backward=backward)
     if impl == "sdpa":
         return sdpa_flops(n, d=D, heads=heads, backward=backward)
@@ -189,6 +205,9 @@ def run(ctx: Ctx, res: dict) -> None:
                 ms = {i: {r["N"]: r.get("ms") for r in res["rows"] if (r["B"], r["H"], r["impl"], r["mode"]) == (B, H, i, mode)}
                       for i in ops}
                 res["crossover"][key] = {"ours_vs_sdpa": crossover(cfg["ns"], ms["ours"], ms["sdpa"]),
+                                         "ours_triton_vs_sdpa": crossover(cfg["ns"], ms["ours_triton"], ms["sdpa"]),
+                                         "ours_triton_vs_fla_chunk": crossover(cfg["ns"], ms["ours_triton"],
+                                                                               ms["fla_chunk"]),
                                          "fla_chunk_vs_sdpa": crossover(cfg["ns"], ms["fla_chunk"], ms["sdpa"])}
 
 

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SAMPLE
+# test_triton.py runs the Triton kernels in Triton's interpreter on the CPU. Triton fixes that
+# choice when triton.language is first imported (helpers' imports already do, through torch),
+# so set it first; on a CUDA machine the kernels run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import SAMPLE  # noqa: E402
 
 # In-process training runs keep the test process's threads (no idle-core probe at every start;
 # runtime.choose_threads is tested on its own). Subprocesses get the same from helpers.ENV.

@@ -1,0 +1,175 @@
+"""The Triton path of ``rotary_linear_attention``: causal Eq. 19 / Eq. 18 in fused kernels.
+
+``rotary_linear_attention`` here has the public op's signature and return type for the subset
+that ``supports`` accepts (``causal=True``, FAVOR+ inside or features in, int or per-row
+``offset``, ``mask``, ``initial_state``, ``output_final_state``); the kernels are in
+``kernels.py``, the choice of path in ``dispatch.py``. Import this module only where Triton is
+installed.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...features import key_exponent_floor, pair_shift
+from ...rotary import rotary_tables, table_dtype
+from ..utils import LinearAttentionState, check_args
+from . import kernels as K
+from .dispatch import pick_config, supports
+
+__all__ = ["rotary_linear_attention"]
+
+def _acc(cdt):
+    import triton.language as tl
+
+    return tl.float64 if cdt == torch.float64 else tl.float32
+
+
+def _safe(den):
+    return torch.where(den > 0, den, torch.ones_like(den))
+
+
+def _ptrs(meta, like, *more):
+    """The kernels' optional tensors, with a one-element stand-in for each absent one (never read:
+    its constexpr flag is off), so the kernels' pointer arithmetic always has a pointer."""
+    ts = [meta[n] for n in ("w", "c", "km", "qmax", "cos", "sin")] + list(more)
+    stub = like.new_zeros(1, dtype=meta["cdt"])
+    return [stub if t is None else t for t in ts]
+
+
+def _flags(meta, has_state, out_state):
+    """The kernels' runtime switches (see ``kernels._flags``)."""
+    bits = (meta["cos"] is not None) | (meta["km"] is not None) << 1 | has_state << 2 | out_state << 3
+    return 3 + 4 * bits
+
+
+class _TritonCausal(torch.autograd.Function):
+    """(q, k, v, S0, z0) -> (out, S, z) in the compute dtype; ``meta`` holds the rest (no grads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, meta):
+        BH, N, e = v.shape
+        cfg, m = meta["cfg"], meta["m"]
+        cdt = meta["cdt"]
+        nb = -(-meta["dims"][5] // cfg["kernel"]["BP"])  # blocks of pairs
+        num = v.new_empty(nb, BH, N, e, dtype=cdt)
+        den = v.new_empty(nb, BH, N, dtype=cdt)
+        has_state = S0 is not None
+        ST = v.new_empty(BH, m, e, dtype=cdt) if meta["store_state"] else None
+        zT = v.new_empty(BH, m, dtype=cdt) if meta["store_state"] else None
+        K._fwd_kernel[(nb, BH)](
+            q, k, v, *_ptrs(meta, v, S0, z0, num, den, ST, zT),
+            *meta["dims"], _flags(meta, has_state, ST is not None), FAVOR=meta["w"] is not None, ACC=_acc(cdt),
+            **cfg["kernel"])
+        den = den.sum(0)
+        den = torch.where(den > 0, den, torch.zeros_like(den))  # as naive: <= 0 divides by 1, no gradient
+        out = num.sum(0) / _safe(den).unsqueeze(-1)
+        if meta["qmask"] is not None:
+            out = out * meta["qmask"].unsqueeze(-1)
+        ctx.save_for_backward(q, k, v, S0, z0, out, den)
+        ctx.meta = meta
+        return out, ST, zT
+
+    @staticmethod
+    def backward(ctx, g, gS, gz):
+        if torch.is_grad_enabled():
+            raise RuntimeError("rotary_linear_attention: double backward (create_graph=True) is not supported")
+        q, k, v, S0, z0, out, den = ctx.saved_tensors
+        meta = ctx.meta
+        cfg, m, cdt = meta["cfg"], meta["m"], meta["cdt"]
+        BH, N, e = v.shape
+        nb = -(-meta["dims"][5] // cfg["kernel"]["BP"])
+        g = g.to(cdt)
+        if meta["qmask"] is not None:
+            g = g * meta["qmask"].unsqueeze(-1)
+        dnum = (g / _safe(den).unsqueeze(-1)).contiguous()
+        dden = ((g * out).sum(-1) / _safe(den)).neg_().mul_(den > 0).contiguous()
+        favor = meta["w"] is not None
+        x = q.shape[-1]
+        dq = q.new_empty((nb, BH, N, x) if favor else (BH, N, x), dtype=cdt)
+        dk = torch.empty_like(dq)
+        dv = v.new_empty(nb, BH, N, e, dtype=cdt)
+        has_state = S0 is not None
+        dS0 = torch.empty_like(S0) if has_state else None
+        dz0 = torch.empty_like(z0) if has_state else None
+        has_g = meta["store_state"] and gS is not None
+        gS = gS.to(cdt).contiguous() if has_g else None
+        gz = gz.to(cdt).contiguous() if has_g else None
+        K._bwd_kernel[(nb, BH)](
+            q, k, v, *_ptrs(meta, v, S0, z0, dnum, dden, gS, gz, dq, dk, dv, dS0, dz0), *meta["dims"],
+            _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **cfg["kernel"])
+        if favor:
+            dq, dk = dq.sum(0), dk.sum(0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dS0, dz0, None
+
+
+def rotary_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    rotary: bool = True,
+    offset: int | torch.Tensor = 0,
+    base: float = 10000.0,
+    projection: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_state: LinearAttentionState | None = None,
+    output_final_state: bool = False,
+    allow_negative: bool = False,
+    chunk_size: int | None = None,
+    block_size: int | None = None,
+):
+    """``linear_rope.ops.rotary_linear_attention`` on the Triton kernels (see ``supports``).
+
+    q, k: `[B, H, N, d]` raw queries / keys with ``projection`` `[m, d]` (FAVOR+ inside), or
+    `[B, H, N, m]` non-negative features; v: `[B, H, N, e]`. Returns `[B, H, N, e]` in v's
+    dtype, or ``(out, state)`` with ``output_final_state`` (state in float32, or float64 for
+    float64 inputs, as the torch path). The projection gets no gradient (a fixed random draw,
+    as in the torch path). ``chunk_size`` / ``block_size`` are accepted and ignored: the
+    kernel's chunk comes from ``dispatch.pick_config``. ValueError (with the reason) for a call
+    ``supports`` refuses.
+    """
+    kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
+              key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state, allow_negative=allow_negative)
+    a = check_args(q, k, v, **kw)
+    ok, why = supports(q, k, v, output_final_state=output_final_state, **kw)
+    if not ok:
+        raise ValueError(f"rotary_linear_attention (triton): {why}")
+    B, H, N, x = q.shape
+    e = v.shape[-1]
+    m = a.m
+    cdt = table_dtype(q.dtype)
+    cfg = pick_config(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        q3, k3, v3 = (t.reshape(B * H, N, t.shape[-1]).contiguous() for t in (q, k, v))
+        w = c = qmax = cos = sin = km = qm = None
+        if projection is not None:
+            w = projection.detach().to(device=q.device, dtype=cdt).contiguous()
+            c = pair_shift(w)[0::2].contiguous()  # (P,): one shift per rotation pair
+            qmax = q.new_empty(B * H, N, dtype=cdt)
+            K._qmax_kernel[(-(-N // cfg["qmax"]["C"]), B * H)](
+                q3, w, c, qmax, N, m, x, (m + 1) // 2, ACC=_acc(cdt), **cfg["qmax"])
+        if rotary:
+            cos, sin = rotary_tables(N, m, offset=a.offset if a.positions is None else 0, base=base, dtype=cdt,
+                                     device=q.device, positions=a.positions)
+            cos, sin = cos.contiguous(), sin.contiguous()
+        if a.kmask is not None:
+            km = a.kmask.to(cdt).contiguous()  # (B, N)
+            qm = a.qmask.to(cdt)[:, None].expand(B, H, N).reshape(B * H, N)
+        S0 = z0 = None
+        if a.state is not None:
+            S0 = a.state.S.to(cdt).reshape(B * H, m, e).contiguous()
+            z0 = a.state.z.to(cdt).reshape(B * H, m).contiguous()
+        tab_rows = 1 if cos is None or cos.dim() == 2 else cos.shape[0]
+        dims = (N, H, m, x if projection is not None else m, e, (m + 1) // 2, x, tab_rows,
+                key_exponent_floor(cdt))
+        meta = dict(cfg=cfg, m=m, cdt=cdt, w=w, c=c, km=km, qmask=qm, qmax=qmax, cos=cos, sin=sin, dims=dims,
+                    store_state=output_final_state)
+        out, S, z = _TritonCausal.apply(q3, k3, v3, S0, z0, meta)
+    out = out.view(B, H, N, e).to(v.dtype)
+    if not output_final_state:
+        return out
+    return out, LinearAttentionState(S.view(B, H, m, e), z.view(B, H, m))
+

@@ -1,0 +1,241 @@
+"""The Triton kernels (``linear_rope/ops/triton``) without a GPU: Triton's interpreter against the
+naive reference (outputs and gradients, every supported keyword), the dispatch switch, and the
+ahead-of-time sm_90 compile of every kernel in every config the dispatch can pick.
+
+The interpreter runs the kernels' code on the CPU with numpy. ``TRITON_INTERPRET=1`` is set
+here, before the kernels are imported (Triton decides interpreted or compiled when a kernel is
+decorated, and triton.language when it is first imported: conftest.py sets it for the whole
+CPU session). What it cannot check (bf16 ``tl.dot``, which it gets wrong: the kernels upcast
+before every dot, so bf16 inputs are tested too; shared memory and registers) the sm_90 compile
+checks, in a subprocess that runs beside the interpreter tests (the two use both CI cores).
+Sizes are small on purpose: the interpreter costs about a millisecond per tensor operation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.language is imported (see conftest.py)
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[triton]')")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.max, InterpretedFunction):
+    pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set (or on CUDA): the "
+                "interpreter tests need it set first", allow_module_level=True)
+
+from linear_rope.features import FavorFeatures  # noqa: E402
+from linear_rope.ops import LinearAttentionState, naive_rotary_linear_attention  # noqa: E402
+from linear_rope.ops.triton import rotary_linear_attention, should_use_triton, supports  # noqa: E402
+from linear_rope.ops.triton.aot import H100_SMEM_PER_BLOCK  # noqa: E402
+from linear_rope.ops.triton.dispatch import ENV_VAR, dispatch_configs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+AOT_SHARDS = 2  # compile processes beside the interpreter tests (the compile is the longer half)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def aot_jobs(tmp_path_factory):
+    """Start the sm_90 compile of every build now, in a fresh cache, split over ``AOT_SHARDS``
+    processes; ``test_sm90_compile`` collects them."""
+    tmp = tmp_path_factory.mktemp("aot")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    jobs = []
+    for i in range(AOT_SHARDS):
+        out = tmp / f"aot{i}.json"
+        cmd = [sys.executable, "-m", "linear_rope.ops.triton.aot", "--shard", f"{i}/{AOT_SHARDS}", "--json", str(out)]
+        jobs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True), out))
+    yield jobs
+    for proc, _ in jobs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _inputs(dtype, N, *, fused, m=10, d=8, e=8, B=1, H=1, seed=0):
+    """q, k (raw with a projection, or features), v: leaves requiring grad, in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    if fused:
+        w = FavorFeatures(d, m).projection
+        q, k = (torch.randn(B, H, N, d, generator=g) for _ in range(2))
+    else:
+        w = None
+        q, k = (torch.rand(B, H, N, m, generator=g) + 0.05 for _ in range(2))
+    v = torch.randn(B, H, N, e, generator=g)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    return leaves, (None if w is None else w.to(dtype))
+
+
+def _rel(a, b, scale=None):
+    """max |a - b| over max |b| (or over ``scale``: a gradient that is exactly 0, dq at N = 1, is
+    measured against the largest gradient of the call)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / (b.abs().max() if scale is None else scale))
+
+
+def _check(dtype, N, tol, *, fused=True, rotary=True, seed=0, ref_dtype=torch.float64, grad_tol=None, **kw):
+    """Kernel vs naive (in ``ref_dtype`` on the same inputs): outputs, final state, and the
+    gradients of q, k, v (and of the initial state) under random upstream gradients."""
+    shape = {n: kw.pop(n) for n in ("m", "d", "e", "B", "H") if n in kw}
+    (q, k, v), w = _inputs(dtype, N, fused=fused, seed=seed, **shape)
+    m = w.shape[0] if fused else q.shape[-1]
+    B, H, e = q.shape[0], q.shape[1], v.shape[-1]
+    gen = torch.Generator().manual_seed(seed + 1)
+    state = kw.pop("initial_state", None)
+    leaves = [q, k, v]
+    if state is True:
+        S0 = torch.rand(B, H, m, e, generator=gen).to(dtype).requires_grad_()
+        z0 = torch.rand(B, H, m, generator=gen).to(dtype).requires_grad_()
+        leaves += [S0, z0]
+    kw = dict(kw, rotary=rotary, projection=w)
+    if state is True:
+        kw["initial_state"] = LinearAttentionState(S0, z0)
+    res = rotary_linear_attention(q, k, v, **kw)
+    ref_kw = dict(kw, projection=None if w is None else w.to(ref_dtype))
+    if state is True:
+        ref_kw["initial_state"] = LinearAttentionState(S0.to(ref_dtype), z0.to(ref_dtype))
+    ref = naive_rotary_linear_attention(*(t.to(ref_dtype) for t in (q, k, v)), **ref_kw)
+    res, ref = (res, ref) if isinstance(res, tuple) else ((res,), (ref,))
+    assert res[0].dtype == v.dtype and res[0].shape == ref[0].shape
+    outs_res = [res[0]] + (list(res[1]) if len(res) > 1 else [])
+    outs_ref = [ref[0]] + (list(ref[1]) if len(ref) > 1 else [])
+    for name, a, b in zip(("out", "S", "z"), outs_res, outs_ref):
+        assert _rel(a, b) <= tol, f"{name}: relative error {_rel(a, b):.2e} > {tol:.0e}"
+    ups = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in outs_ref]
+    ref_leaves = [t for t in leaves]
+    got = torch.autograd.grad(sum((a.double() * u).sum() for a, u in zip(outs_res, ups)), leaves)
+    want = torch.autograd.grad(sum((b.double() * u).sum() for b, u in zip(outs_ref, ups)), ref_leaves)
+    scale = max(float(b.abs().max()) for b in want)
+    for name, a, b in zip(("dq", "dk", "dv", "dS0", "dz0"), got, want):
+        t, r = grad_tol or tol, _rel(a, b, scale)
+        assert r <= t, f"{name}: error {r:.2e} > {t:.0e} (relative to the largest gradient, {scale:.3g})"
+    if w is not None:
+        assert not w.requires_grad  # the projection is a fixed draw: no gradient, as in the torch op
+
+
+PATHS = [pytest.param(f, r, id=f"{'projection' if f else 'features'}-{'eq19' if r else 'eq18'}")
+         for f in (True, False) for r in (True, False)]
+
+
+@pytest.mark.parametrize("N", [1, 63, 257], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("fused, rotary", PATHS)
+def test_float64_matches_naive(fused, rotary, N):
+    _check(torch.float64, N, 1e-10, fused=fused, rotary=rotary, offset=3)
+
+
+@pytest.mark.parametrize("fused, rotary", PATHS[:1] + PATHS[3:])
+def test_state_in_and_out(fused, rotary):
+    """initial_state and output_final_state (and their gradients) across chunk boundaries."""
+    _check(torch.float64, 100, 1e-10, fused=fused, rotary=rotary, offset=5, initial_state=True, output_final_state=True)
+
+
+def test_mask_and_row_offsets():
+    """Left and right padding with per-row offsets: positions count real tokens, masked keys add
+    nothing, masked queries output 0, over two rows."""
+    mask = torch.ones(2, 70, dtype=torch.bool)
+    mask[0, :9] = False
+    mask[1, 61:] = False
+    _check(torch.float64, 70, 1e-10, B=2, offset=torch.tensor([0, 1000]), mask=mask, initial_state=True,
+           output_final_state=True)
+
+
+def test_float32_at_512():
+    _check(torch.float32, 512, 1e-5, offset=100)
+
+
+def test_paper_size():
+    """m = 266 FAVOR+ features of d = 64 (133 pairs: five blocks of 32, the last one padded)."""
+    _check(torch.float32, 40, 1e-5, m=266, d=64, e=64, offset=7)
+
+
+def test_blocks_of_pairs_float64():
+    """m = 70: 35 pairs in two blocks, the second holding 3 real pairs of 32; in float64 the split
+    into per-block partial sums is checked to 1e-10."""
+    _check(torch.float64, 63, 1e-10, m=70, offset=11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_inputs(dtype):
+    """Half inputs are upcast on chip and everything runs in fp32: the error is the output's
+    rounding to the input dtype (2^-11 fp16, 2^-8 bf16, with some headroom); the gradients
+    are rounded to the input dtype too. The reference runs in float64 on the same rounded inputs."""
+    tol = 4 * torch.finfo(dtype).eps
+    _check(dtype, 63, tol, offset=2, initial_state=True, output_final_state=True, grad_tol=tol)
+
+
+def test_dispatch_switch(monkeypatch):
+    (q, k, v), w = _inputs(torch.float32, 8, fused=True)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert not should_use_triton(q, k, v, projection=w)  # auto: CPU tensors take the torch path
+    assert should_use_triton(q, k, v, projection=w, force="triton")  # the interpreter runs it
+    assert not should_use_triton(q, k, v, projection=w, force="torch")
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert should_use_triton(q, k, v, projection=w)
+    assert not should_use_triton(q, k, v, projection=w, force="torch")  # force beats the variable
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert not should_use_triton(q, k, v, projection=w)
+    monkeypatch.setenv(ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="must be one of"):
+        should_use_triton(q, k, v, projection=w)
+    with pytest.raises(ValueError, match="causal=False"):
+        should_use_triton(q, k, v, projection=w, causal=False, force="triton")
+
+
+def test_supports_names_what_goes_to_torch(monkeypatch):
+    (q, k, v), w = _inputs(torch.float32, 8, fused=True)
+    assert supports(q, k, v, projection=w) == (True, "")
+    big = torch.zeros(1, 1, 8, 128)
+    cases = {
+        "causal=False": dict(causal=False),
+        "cu_seqlens": dict(cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32)),
+        "cross-attention": dict(key_mask=torch.ones(1, 8, dtype=torch.bool), causal=False, rotary=False),
+        "head dims": dict(v=big),
+        "empty batch": dict(v=v[:0], q=q[:0], k=k[:0]),
+    }
+    for why, kw in cases.items():
+        args = dict(q=kw.pop("q", q), k=kw.pop("k", k), v=kw.pop("v", v))
+        ok, reason = supports(**args, projection=w, **kw)
+        assert not ok and why in reason, (why, reason)
+        with pytest.raises(ValueError, match="triton"):
+            rotary_linear_attention(**args, projection=w, **kw)
+    ok, reason = supports(q.to(torch.int32), k, v)
+    assert not ok and "dtype" in reason
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a machine without the interpreter
+    ok, reason = supports(q, k, v, projection=w)
+    assert not ok and "CUDA" in reason
+
+
+def test_bad_input_and_double_backward():
+    (q, k, v), w = _inputs(torch.float32, 8, fused=True)
+    with pytest.raises(ValueError, match="projection"):  # the op's own checks, same messages
+        rotary_linear_attention(q, k, v, projection=w[:, :3])
+    out = rotary_linear_attention(q, k, v, projection=w)
+    with pytest.raises(RuntimeError, match="double backward"):  # as the torch path: refused, not wrong
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_sm90_compile(aot_jobs):
+    """Every kernel in every config ``dispatch`` can pick builds for sm_90 and fits an H100 block."""
+    rows = []
+    for proc, path in aot_jobs:
+        log, _ = proc.communicate(timeout=600)
+        assert path.is_file(), log[-3000:]
+        rows += json.loads(path.read_text())
+        assert proc.returncode == 0, log[-3000:]
+    built = {(r["kernel"], r["dtype"], r["favor"]) for r in rows}
+    want = {(k, str(dt).removeprefix("torch."), f) for dt, _ in dispatch_configs()
+            for k, f in [("_qmax_kernel", True)] + [(n, f) for n in ("_fwd_kernel", "_bwd_kernel") for f in (True, False)]}
+    assert built == want
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert all(0 < r["shared_bytes"] <= H100_SMEM_PER_BLOCK for r in rows)
