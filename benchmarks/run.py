@@ -81,8 +81,9 @@ def misses_section(results: dict[str, dict]) -> list[str]:
         elif "efficiency" in t["name"]:
             why = f"bounded by the time outside the GEMMs: {op_ref}."
         elif name == "compile":
-            why = ("the op runs outside the graph (`torch.compiler.disable`): each call is a graph break until the op "
-                   "is a custom op (issue 22, item 2).")
+            reasons = {c.get("first_break") for c in results["compile"].get("checks", {}).values()} - {None}
+            why = (f"the first graph break: {'; '.join(sorted(reasons))[:300]}." if reasons else
+                   "see its section (compiled with graph breaks allowed where fullgraph failed).")
         elif name == "training":
             preset = t["name"].split()[-3].split("-")[0]
             st, base = b["training_steps"].get(preset), b.get("base_step_s", {}).get(preset)
@@ -151,7 +152,7 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test); results go to benchmarks/results/quick")
     p.add_argument("--out-dir", default=None, help="directory for <name>.json (default benchmarks/results[/quick])")
     p.add_argument("--md", default=None, help="Markdown report path (default BENCHMARKS.md, or <out-dir>/BENCHMARKS.md with --quick)")

@@ -129,6 +129,7 @@ def test_training_numbers(quick):
     if "presets" in r:  # absent only where the base commit cannot be checked out
         for p in r["presets"].values():
             assert all(v > 0 for v in p["tokens_per_s"].values()) and p["speedup"] > 0
+            assert all(v > 0 for v in p["cpu_s_per_step"].values()) and p["speedup_cpu_time"] > 0
             assert all(len(run["step_s"]) == 2 for runs in p["runs"].values() for run in runs)
 
 
