@@ -1,27 +1,31 @@
-"""Attention op: ours (Eq. 19 `rope` / Eq. 18 `none` over FAVOR+) vs performer-pytorch and SDPA.
+"""Attention op, both ways in: FAVOR+ inside (`projection=`) and features in, vs SDPA and performer.
 
     python -m benchmarks.attention [--quick]
 
-q, k, v `[1, 12, N, 64]` fp32, m = 266, causal, 2 threads, N in {1k, 2k, 4k, 16k}.
+q, k, v `[1, 12, N, 64]` fp32, m = 266, Eq. 19 (RoPE on the features), causal, fwd+bwd, 2
+threads, N in {1024, 1536, 2048, 4096, 16384}.
 
-* ours_rope / ours_none: ``benchmarks.common.ours_attention``, Eq. 19 / Eq. 18 over FAVOR+
-  features of q and k, through the public ``rotary_linear_attention`` with ``projection`` (features, RoPE and the
-  chunked attention in one pass, hand-written backward) that ``RotaryLinearAttention`` uses.
-* performer: performer-pytorch ``FastAttention(64, 266, causal=True)``, which on CPU falls back
-  to ``causal_linear_attention_noncuda``.
+* ours_inside: ``benchmarks.common.ours_attention``, the public ``rotary_linear_attention``
+  with ``projection`` (FAVOR+ made inside the op), the path ``RotaryLinearAttention`` takes.
+* ours_features_in: ``benchmarks.common.ours_features_in``, ``FavorFeatures`` on the caller's
+  side, then the op on the features: any user with their own feature map. The features' time
+  counts.
 * sdpa: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, exact softmax, O(N^2).
+* performer: performer-pytorch ``FastAttention(64, 266, causal=True)`` (its CPU fallback
+  ``causal_linear_attention_noncuda``), for reference (no target), at ``performer_ns``: none in
+  the full run (one fwd+bwd at N = 1024 takes 7x ours, and the rounds go to the targets); the
+  smoke test runs it.
 
-"fwd" runs under ``torch.no_grad()``; "fwd+bwd" is the forward plus ``backward`` of a fixed
-random upstream gradient into q, k, v. Each N is timed in interleaved rounds (every impl and
-mode once per round, the order rotating); the tables give medians. Every impl and mode is
-warmed up once, at a small N (``warmup_n``) so that the warmup costs little: the rounds then
-reuse warm code paths, and their calls take far longer than any first-call overhead. Rounds
-stop at a time budget per N (at least one round).
+A call is the forward plus ``backward`` of a fixed random upstream gradient into q, k, v. Each
+N is timed in interleaved rounds (every impl once per round, the order rotating) together with
+an fp32 [2048]^2 GEMM probe (``common.gemm_probe``); the tables give medians. Every impl is
+warmed up once at a small N (``warmup_n``). Rounds stop at a time budget per N (at least one).
 
-The achieved rate of ours is compared with the GEMM rate measured in the same rounds at the
-FLOP-count N (``common.gemm_probe``), not with a peak taken at another moment.
+Efficiency = the fixed yardstick ``ours_flops(N)`` (26.4 GFLOP at N = 4096: the chunk-64 count
+below, whatever chunk the op runs with, so another chunk changes the time, not the yardstick)
+/ the median time / the GEMM rate measured in the same rounds.
 
-FLOPs of ours (``ours_flops``), per head, counting matmul work only (2 per multiply-add):
+FLOPs of the yardstick (``ours_flops``), per head, counting matmul work only (2 per multiply-add):
 
     feature projections   q and k, [N, d] @ [d, m] each              4 N d m
     chunked numerator     N/C chunks of C tokens, each:
@@ -30,12 +34,13 @@ FLOPs of ours (``ours_flops``), per head, counting matmul work only (2 per multi
     denominator           q . cumsum(k)                               2 N m
 
 fwd+bwd = 3 x fwd (the usual estimate: the backward does two matmuls per forward matmul).
-C = 64, fla's chunk size, whatever chunk the op runs with. Exp, rotation, masking and the
-prefix sums are not counted, nor the masked half of each C^2 block. The op does more GEMM work
-than this count: with rotation the denominator has its own masked GEMM per chunk (2 N C m in
-the forward, twice that in the backward), and above ``KEEP_FEATURES_BYTES`` (N > ~20k here)
-the backward recomputes the features (4 N d m) and the chunk states (2 N m d). The count leaves
-these out: useful work is what the ratio to the GEMM rate should judge.
+C = 64. Exp, rotation, masking and the prefix sums are not counted, nor the masked half of each
+C^2 block, nor any recomputation in the backward: useful work is what the ratio should judge.
+
+Targets (issue 22): efficiency >= 60% at N = 4096 and >= 50% features in; >= 50% at 1024 and
+>= 60% at 16384 (inside); sdpa / ours >= 2.5 at 4096 and >= 8 at 16384, and the crossover (the
+N where sdpa / ours = 1, interpolated in log N between the measured lengths) <= 1536, each for
+both paths.
 """
 from __future__ import annotations
 
@@ -47,22 +52,20 @@ import torch.nn.functional as F
 from linear_rope import FavorFeatures
 
 from .common import (
-    cli,
-    chunk_size, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, ours_attention, ours_path, quiet,
-    report, setup, target,
+    chunk_size, cli, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, ours_attention, ours_features_in,
+    ours_path, quiet, report, setup, target,
 )
 
 NAME = "attention"
 B, H, D, M = 1, 12, 64, 266
-IMPLS = ("ours_rope", "ours_none", "performer", "sdpa")
-MODES = ("fwd", "fwd+bwd")
-# warmup_n: one warmup call of every impl and mode at this N before the first round.
-# skip: (impl, N) -> reason, cuts on top of ``skip_reason`` (e.g. for the 15-minute budget); none now.
-# N = 65536 is left to benchmarks.memory (its one target there): on a shared machine one round
-# of it took minutes, and no timing target is set past 16384.
-FULL = dict(ns=(1024, 2048, 4096, 16384), flop_n=4096, warmup_n=256, budget_s=80.0, max_rounds=7, skip={})
-QUICK = dict(ns=(64, 128), flop_n=128, warmup_n=32, budget_s=3.0, max_rounds=1, skip={})
-PERFORMER_MAX_N = 4096  # its CPU path keeps an [N, m, d] prefix-sum tensor for backward
+IMPLS = ("ours_inside", "ours_features_in", "sdpa", "performer")
+OURS = ("ours_inside", "ours_features_in")
+# warmup_n: one warmup call of every impl before the first round. efficiency_ns: where the
+# efficiency targets are read (the FAVOR+-inside path; features in at the middle one only).
+FULL = dict(ns=(1024, 1536, 2048, 4096, 16384), efficiency_ns=(1024, 4096, 16384), warmup_n=256,
+            budget_s={16384: 110.0}, default_budget_s=45.0, max_rounds=5, performer_ns=())
+QUICK = dict(ns=(64, 96, 128), efficiency_ns=(64, 96, 128), warmup_n=32, budget_s={},
+             default_budget_s=3.0, max_rounds=1, performer_ns=(64,))
 SDPA_MAX_N = 16384  # exact attention is O(N^2) work
 FLOP_CHUNK = 64  # the C of the FLOP count (fla's chunk size), independent of the op's own
 
@@ -81,23 +84,22 @@ def sdpa_flops(n: int, *, d: int = D, heads: int = B * H, backward: bool = True)
 
 
 def skip_reason(impl: str, mode: str, n: int) -> str | None:
-    """Why (impl, mode, n) is not run, or None. Shared with ``benchmarks.memory``."""
-    if impl == "performer" and n > PERFORMER_MAX_N:
-        if mode == "fwd":  # chunk by chunk: the memory stays bounded, the time does not
+    """Why (impl, mode, n) is not run anywhere, or None. Shared with ``benchmarks.memory``."""
+    if impl == "performer" and n > 4096:  # its CPU path keeps an [N, m, d] prefix-sum tensor
+        if mode == "fwd":
             return "[N,m,d] prefix sums, too slow"
         return f"[N,m,d] prefix sums kept, {B * H * n * M * D * 4 / 2**30:.0f} GiB"
     if impl == "sdpa" and n > SDPA_MAX_N:
-        tflop = sdpa_flops(n, backward=mode != "fwd") / 1e12
-        return f"O(N^2), {tflop:.0f} TFLOP/call"
+        return f"O(N^2), {sdpa_flops(n, backward=mode != 'fwd') / 1e12:.0f} TFLOP/call"
     return None
 
 
 def make_op(impl: str, features: FavorFeatures, performer=None):
-    """impl name -> f(q, k, v) -> out, all `[B, H, N, d]`."""
-    if impl == "ours_rope":
+    """impl name -> f(q, k, v) -> out, all `[B, H, N, d]`; Eq. 19 for ours."""
+    if impl == "ours_inside":
         return lambda q, k, v: ours_attention(q, k, v, features, True)
-    if impl == "ours_none":
-        return lambda q, k, v: ours_attention(q, k, v, features, False)
+    if impl == "ours_features_in":
+        return lambda q, k, v: ours_features_in(q, k, v, features, True)
     if impl == "performer":
         return performer
     if impl == "sdpa":
@@ -120,7 +122,8 @@ def make_inputs(n: int, seed: int = 0):
 
 
 def make_call(op, mode: str, q, k, v, up):
-    """A zero-argument call running ``op`` once in ``mode``; it keeps no output alive."""
+    """A zero-argument call running ``op`` once in ``mode`` ("fwd" under no_grad, or "fwd+bwd");
+    it keeps no output alive."""
     if mode == "fwd":
         def call():
             with torch.no_grad():
@@ -133,101 +136,122 @@ def make_call(op, mode: str, q, k, v, up):
     return call
 
 
-# Issue 14's targets, fwd+bwd against ours_rope: sdpa / ours at each N, performer / ours.
-SDPA_TARGETS = {1024: 1.0, 2048: 1.5, 4096: 3.0, 16384: 10.0}
-PERFORMER_TARGET = 20.0
-GEMM_TARGET = 0.6
+def crossover(ratios: dict[int, float]) -> tuple[float | None, str]:
+    """The N where sdpa / ours reaches 1, from {N: ratio}: interpolated in log N and log ratio
+    between the last length below 1 and the next; (None, why) when it is not in the range."""
+    ns = sorted(n for n, r in ratios.items() if r is not None)
+    if not ns:
+        return None, "not measured"
+    if ratios[ns[0]] >= 1:
+        return float(ns[0]), f"at or below N={ns[0]}, the shortest measured"
+    for a, b in zip(ns, ns[1:]):
+        ra, rb = ratios[a], ratios[b]
+        if ra < 1 <= rb:
+            t = -math.log(ra) / (math.log(rb) - math.log(ra))
+            return math.exp(math.log(a) + t * (math.log(b) - math.log(a))), f"between N={a} and N={b}"
+    return None, f"sdpa / ours < 1 up to N={ns[-1]}"
 
 
-def attention_targets(ratio, ns, fraction_of_gemm: float, quick: bool) -> list[dict]:
-    """The issue's targets for the op, all on causal fwd+bwd, from ratios against ours_rope.
-    Quick mode maps them onto its two sizes (the numbers mean nothing there)."""
+# Issue 22's targets, all fwd+bwd.
+EFFICIENCY_TARGETS = {("ours_inside", 1024): 0.5, ("ours_inside", 4096): 0.6, ("ours_inside", 16384): 0.6,
+                      ("ours_features_in", 4096): 0.5}
+SDPA_TARGETS = {4096: 2.5, 16384: 8.0}
+CROSSOVER_TARGET = 1536
+
+
+def attention_targets(ratio, efficiency, cross, quick: bool, ns) -> list[dict]:
+    """The targets from the measured ratios, efficiencies and crossovers. Quick mode maps the
+    lengths onto its own (the numbers mean nothing there)."""
     if quick:
-        sdpa = {ns[0]: 1.0, ns[-1]: 3.0}
-        perf = (ns[0], ns[-1])
+        lo, mid, hi = ns[0], ns[1], ns[-1]
+        eff = {("ours_inside", lo): 0.5, ("ours_inside", mid): 0.6, ("ours_inside", hi): 0.6,
+               ("ours_features_in", mid): 0.5}
+        sdpa, cross_t = {mid: 2.5, hi: 8.0}, mid
     else:
-        sdpa, perf = SDPA_TARGETS, (1024, 4096)
-    return [
-        *[target(f"sdpa / ours fwd+bwd, N={n}", ratio("sdpa", "fwd+bwd", n), ">=", t) for n, t in sdpa.items()],
-        *[target(f"performer / ours fwd+bwd, N={n}", ratio("performer", "fwd+bwd", n), ">=", PERFORMER_TARGET)
-          for n in perf],
-        target("ours fwd+bwd rate / same-round GEMM rate (FLOP-count N)", fraction_of_gemm, ">=", GEMM_TARGET),
-    ]
+        eff, sdpa, cross_t = EFFICIENCY_TARGETS, SDPA_TARGETS, CROSSOVER_TARGET
+    out = [target(f"{i} efficiency (yardstick / time / same-round GEMM rate), N={n}", efficiency.get((i, n)), ">=", t)
+           for (i, n), t in eff.items()]
+    for i in OURS:
+        t = target(f"{i}: crossover N where sdpa / ours = 1", cross[i][0], "<=", cross_t)
+        if cross[i][0] is None and cross[i][1] != "not measured":  # no crossover in the range: a MISS
+            t["pass"] = False
+        out.append(t)
+        out += [target(f"sdpa / {i}, N={n}", ratio(i, n), ">=", t) for n, t in sdpa.items()]
+    return out
 
 
 def main(quick: bool = False, out_dir=None) -> dict:
     cfg = QUICK if quick else FULL
     setup(quick)
     features = FavorFeatures(D, M)
-    ops = {impl: make_op(impl, features, make_performer() if impl == "performer" else None) for impl in IMPLS}
+    impls = [i for i in IMPLS if i != "performer" or cfg["performer_ns"]]
+    ops = {impl: make_op(impl, features, make_performer() if impl == "performer" else None) for impl in impls}
     warm = make_inputs(cfg["warmup_n"])
-    for impl in IMPLS:
-        for mode in MODES:
-            make_call(ops[impl], mode, *warm)()
-    ms: dict[str, dict[str, dict[int, float | None]]] = {i: {m: {} for m in MODES} for i in IMPLS}
-    raw, skipped, rounds = {}, {}, {}
-    gemm = gemm_probe(gemm_n(quick))
+    for impl in impls:
+        make_call(ops[impl], "fwd+bwd", *warm)()
+    ms: dict[str, dict[int, float]] = {i: {} for i in impls}
+    raw, skipped, rounds, gemm_rate = {}, {}, {}, {}
     for n in cfg["ns"]:
         q, k, v, up = make_inputs(n)
         calls = {}
-        for impl in IMPLS:
-            for mode in MODES:
-                why = skip_reason(impl, mode, n) or cfg["skip"].get((impl, n))
-                if why:
-                    skipped[f"{impl}/{mode}/{n}"] = why
-                else:
-                    calls[f"{impl}/{mode}"] = make_call(ops[impl], mode, q, k, v, up)
-        if n == cfg["flop_n"]:
-            calls["gemm"] = gemm
-        times = interleaved(calls, warmup=0, rounds=cfg["max_rounds"], budget_s=cfg["budget_s"])
-        times.pop("gemm", None)
+        for impl in impls:
+            why = skip_reason(impl, "fwd+bwd", n) or (
+                "reference, not timed at this N" if impl == "performer" and n not in cfg["performer_ns"] else None)
+            if why:
+                skipped[f"{impl}/{n}"] = why
+            else:
+                calls[impl] = make_call(ops[impl], "fwd+bwd", q, k, v, up)
+        gemm = calls["gemm"] = gemm_probe(gemm_n(quick))
+        times = interleaved(calls, warmup=0, rounds=cfg["max_rounds"],
+                            budget_s=cfg["budget_s"].get(n, cfg["default_budget_s"]))
+        times.pop("gemm")
+        gemm_rate[n] = median(gemm.rates)
         rounds[n] = max(len(t) for t in times.values())
-        for key, ts in times.items():
-            impl, mode = key.split("/")
-            ms[impl][mode][n] = 1e3 * median(ts)
-            raw[f"{key}/{n}"] = ts
-        print(f"N={n}: {rounds[n]} round(s) " + ", ".join(f"{k} {fmt(1e3 * median(t))} ms" for k, t in times.items()), flush=True)
+        for impl, ts in times.items():
+            ms[impl][n] = 1e3 * median(ts)
+            raw[f"{impl}/{n}"] = ts
+        print(f"N={n}: {rounds[n]} round(s), GEMM {fmt(gemm_rate[n])} GFLOP/s, "
+              + ", ".join(f"{k} {fmt(1e3 * median(t))} ms" for k, t in times.items()), flush=True)
         del q, k, v, up
 
-    def ratio(impl, mode, n):
-        a, b = ms[impl][mode].get(n), ms["ours_rope"][mode].get(n)
+    def ratio(impl, n, over="sdpa"):
+        a, b = ms[over].get(n), ms[impl].get(n)
         return a / b if a is not None and b else None
 
+    eff = {(i, n): ours_flops(n) / (ms[i][n] / 1e3) / 1e9 / gemm_rate[n] for i in OURS for n in cfg["ns"] if n in ms[i]}
+    cross = {i: crossover({n: ratio(i, n) for n in cfg["ns"]}) for i in OURS}
     rows = []
     for n in cfg["ns"]:
-        for mode in MODES:
-            cells = [n, mode]
-            for impl in IMPLS:
-                why = skipped.get(f"{impl}/{mode}/{n}")
-                cells.append(f"skipped ({why})" if why else ms[impl][mode][n])
-            cells += [ratio("performer", mode, n), ratio("sdpa", mode, n)]
-            rows.append(cells)
-    fn = cfg["flop_n"]
-    flops = ours_flops(fn)
-    sec = ms["ours_rope"]["fwd+bwd"][fn] / 1e3
-    rate = flops / sec / 1e9
-    peak = median(gemm.rates)
+        cells = [n, ours_flops(n) / 1e9, gemm_rate[n]]
+        for impl in impls:
+            why = skipped.get(f"{impl}/{n}")
+            cells.append(f"skipped ({why})" if why else ms[impl][n])
+        cells += [eff[(i, n)] for i in OURS] + [ratio(i, n) for i in OURS]
+        rows.append(cells)
     result = {
         "name": NAME,
         "quick": quick,
         "config": {"B": B, "H": H, "d": D, "m": M, "chunk": chunk_size(), "ns": list(cfg["ns"]), "ours": ours_path(),
-                   "budget_s_per_n": cfg["budget_s"], "max_rounds": cfg["max_rounds"], "rounds": rounds},
+                   "max_rounds": cfg["max_rounds"], "rounds": rounds},
         "ms": ms,
         "times_s": raw,
         "skipped": skipped,
-        "flops": {"n": fn, "gflop_fwd_bwd": flops / 1e9, "seconds": sec, "gflop_per_s": rate,
-                  "gemm_gflop_per_s_same_rounds": peak, "gemm_peak_gflop_per_s_at_start": machine_peak(quick),
-                  "fraction_of_gemm": rate / peak},
-        "table": {"headers": ["N", "mode", *[f"{i} ms" for i in IMPLS], "performer/ours", "sdpa/ours"], "rows": rows},
-        "targets": attention_targets(ratio, cfg["ns"], rate / peak, quick),
+        "gemm_gflop_per_s_same_rounds": gemm_rate,
+        "gemm_peak_gflop_per_s_at_start": machine_peak(quick),
+        "yardstick_gflop": {n: ours_flops(n) / 1e9 for n in cfg["ns"]},
+        "efficiency": {f"{i}/{n}": e for (i, n), e in eff.items()},
+        "crossover": {i: {"n": c, "where": w} for i, (c, w) in cross.items()},
+        "table": {"headers": ["N", "yardstick GFLOP", "GEMM GFLOP/s (same rounds)", *[f"{i} ms" for i in impls],
+                              "inside efficiency", "features-in efficiency", "sdpa/inside", "sdpa/features-in"],
+                  "rows": rows},
+        "targets": attention_targets(ratio, eff, cross, quick, cfg["ns"]),
         "notes": [
-            f"ours = {ours_path()}; ratios are against ours_rope (medians of interleaved rounds: {rounds}).",
-            f"ours_rope fwd+bwd at N={fn}: {fmt(flops / 1e9)} GFLOP (analytic, see ours_flops) in "
-            f"{fmt(sec * 1e3)} ms = {fmt(rate)} GFLOP/s, {fmt(100 * rate / peak)}% of the "
-            f"{fmt(peak)} GFLOP/s fp32 GEMM rate measured in the same rounds.",
-            f"skipped: performer above N={PERFORMER_MAX_N} (its CPU fallback keeps an [N, m, d] tensor of "
-            f"prefix sums); sdpa above N={SDPA_MAX_N} (O(N^2): minutes per call)"
-            + "".join(f", {i} at N={n} ({why})" for (i, n), why in cfg["skip"].items()) + ".",
+            f"ours_inside = {ours_path()}; ours_features_in = FavorFeatures(q), FavorFeatures(k), then the op; "
+            f"fwd+bwd, Eq. 19, medians of interleaved rounds: {rounds}.",
+            *[f"{i}: crossover with sdpa {('at N ~ ' + fmt(c)) if c else 'not found'} ({w})." for i, (c, w) in cross.items()],
+            "efficiency = yardstick GFLOP (the chunk-64 count, see ours_flops) / median time / the fp32 GEMM rate "
+            "measured in the same rounds; glibc's default allocator (no mallopt).",
+            f"skipped: {', '.join(f'{k} ({v})' for k, v in skipped.items()) or 'nothing'}.",
         ],
     }
     return report(result, out_dir)

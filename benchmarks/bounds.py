@@ -1,21 +1,25 @@
-"""What bounds the targets: profiles of the op, of SDPA and of a cpu-preset training step.
+"""What bounds the targets: profiles of the op (both paths), of SDPA and of a training step per preset.
 
     python -m benchmarks.bounds [--quick]
 
 Runs last in ``benchmarks.run``, so that BENCHMARKS.md can say, for each MISS, what bounds it
 with figures from the same run rather than a guess:
 
-* **op, N = 4096, fwd+bwd** (Eq. 19 over FAVOR+, the attention benchmark's shapes), under
-  ``torch.profiler`` (``record_shapes``): self time per kind of kernel (GEMM = mm / bmm /
-  baddbmm / addmm; exp; other ops), the GEMM FLOPs actually executed (from the recorded shapes)
-  and the rate the GEMMs ran at, against the [2048]^2 GEMM rate measured just before and after.
+* **op, N = 4096, fwd+bwd** (Eq. 19, the attention benchmark's shapes), FAVOR+ inside and
+  features in, under ``torch.profiler`` (``record_shapes``): self time per kind of kernel (GEMM =
+  mm / bmm / baddbmm / addmm; exp; other ops), the GEMM FLOPs actually executed (from the
+  recorded shapes) and the rate the GEMMs ran at, against the [2048]^2 GEMM rate measured just
+  before and after.
 * **SDPA, same shapes**: its analytic FLOPs (2 N^2 d per head and pass, x3 for fwd+bwd) and rate.
   At equal efficiency, sdpa / ours can be no larger than the ratio of FLOPs: that ratio is
   the ceiling of the sdpa targets for an op that does this much GEMM work.
-* **cpu-preset training step** (this tree): the share of the step inside the attention op
-  (forward and backward), and the step time with that share removed: how fast the step could
-  be with a free attention op (Amdahl), against the base commit's step from ``training.json``
-  when that benchmark ran in the same run.
+* **a training step of each preset** of ``benchmarks.training`` (``cpu20m``, ``cpu``; this
+  tree's ``Trainer`` with its defaults, after 3 warm-up steps): the step's self time by part
+  (``step_parts``): the attention op (forward and backward, everything under an event whose
+  name holds ``ChunkCausal`` or ``linear_rope``), GEMMs outside it, LayerNorm, GELU, the loss,
+  the optimizer and clipping, copies, compiled regions, the rest; and the step time with the op
+  removed (Amdahl), against the base commit's step from ``training.json`` when that benchmark
+  ran in the same run: the most a faster op alone could give.
 
 Profiler times carry the profiler's overhead; read the shares, not the absolute times.
 """
@@ -31,12 +35,12 @@ from torch.profiler import profile
 
 from linear_rope import FavorFeatures
 
-from .attention import D, M, make_inputs, ours_attention, ours_flops, sdpa_flops
-from .common import RESULTS_DIR, cli, fmt, gemm_probe, gemm_n, report, setup
+from .attention import D, M, make_inputs, ours_flops, sdpa_flops
+from .common import RESULTS_DIR, cli, fmt, gemm_n, gemm_probe, ours_attention, ours_features_in, report, setup, threads
 
 NAME = "bounds"
-FULL = dict(n=4096, preset="cpu", batch=8)
-QUICK = dict(n=128, preset="tiny", batch=2)
+FULL = dict(n=4096, presets=("cpu20m", "cpu"))
+QUICK = dict(n=128, presets=("tiny",))
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
             "aten::baddbmm_": (1, 2)}  # op -> positions of its two matrix operands
 
@@ -75,35 +79,93 @@ def profile_call(fn) -> dict:
             "busiest_ms": dict(busiest)}
 
 
-def train_step_share(preset: str, batch: int) -> dict:
-    """One cpu-preset training step (this tree): ms in the attention op's forward and backward."""
-    from linear_rope.model import PerformerLM
+OP_MARKERS = ("chunkcausal", "linear_rope")  # the op's events, before and after issue 22's custom op
+PARTS = ("attention op", "GEMM outside the op", "LayerNorm", "GELU", "loss", "optimizer + clip", "copies",
+         "compiled regions", "other")
 
-    torch.manual_seed(0)
-    model = PerformerLM.from_preset(preset).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (batch, model.cfg.seq_len + 1))
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+def _part(e, inside_op: bool, in_optimizer: bool) -> str:
+    name = e.name.lower()
+    if inside_op:
+        return "attention op"
+    if in_optimizer or "_foreach" in name or "adam" in name:
+        return "optimizer + clip"
+    if e.name in GEMM_OPS or name in ("aten::linear", "aten::matmul"):
+        return "GEMM outside the op"
+    for part, keys in (("LayerNorm", ("layer_norm",)), ("GELU", ("gelu",)),
+                       ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
+                       ("copies", ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat")),
+                       ("compiled regions", ("compiled", "cpp_fused", "graph_"))):
+        if any(k in name for k in keys):
+            return part
+    return "other"
 
-    for _ in range(2):
-        step()
-    t0 = time.perf_counter()
-    step()
-    step_s = time.perf_counter() - t0
-    with profile() as p:
-        step()
-    tot = {e.key: e.cpu_time_total for e in p.key_averages()}
-    attn = (tot.get("_ChunkCausal", 0.0) + tot.get("_ChunkCausalBackward", 0.0)) / 1e3
-    whole = sum(e.self_cpu_time_total for e in p.key_averages()) / 1e3
-    share = attn / whole if whole else None
-    return {"step_s_unprofiled": step_s, "profiled_ms": whole, "attention_ms": attn, "attention_share": share,
+
+def step_parts(events) -> dict[str, float]:
+    """Self CPU ms of a profiled step by part (``PARTS``): each event goes to the op if any
+    ancestor is the op, to the optimizer if any ancestor is an ``Optimizer.*`` region."""
+    ms = dict.fromkeys(PARTS, 0.0)
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        inside_op = in_opt = False
+        a = e
+        while a is not None:
+            n = a.name.lower()
+            inside_op |= any(k in n for k in OP_MARKERS)
+            in_opt |= n.startswith("optimizer.")
+            a = a.cpu_parent
+        ms[_part(e, inside_op, in_opt)] += e.self_cpu_time_total / 1e3
+    return ms
+
+
+def train_step_profile(preset: str, threads: int, steps: int = 3) -> dict:
+    """One profiled training step of ``preset`` with this tree's Trainer (after ``steps`` warm-up
+    steps, where a compiled model compiles): ms by part, the unprofiled step time, and the step
+    time with a free attention op."""
+    import tempfile
+
+    import numpy as np
+
+    from linear_rope.enwik8.config import TRAIN_PRESETS, TrainConfig
+    from linear_rope.enwik8.trainer import Trainer
+    from linear_rope.model import MODEL_PRESETS, ModelConfig
+
+    raw = np.random.default_rng(0).integers(0, 256, 400_000, dtype=np.uint8)
+    splits = {"train": raw[:300_000], "valid": raw[300_000:350_000], "test": raw[350_000:]}
+    with tempfile.TemporaryDirectory() as out:
+        tr = Trainer("rope-seed0", ModelConfig(**MODEL_PRESETS[preset]),
+                     TrainConfig(**{**TRAIN_PRESETS[preset], "out": out, "threads": threads}), splits)
+        tr._open()
+        try:
+            for s in range(steps):
+                tr.train_step(s)
+            times = []
+            for s in range(steps, steps + 3):
+                t0 = time.perf_counter()
+                tr.train_step(s)
+                times.append(time.perf_counter() - t0)
+            with profile() as p:
+                tr.train_step(steps + 3)
+        finally:
+            tr._close()
+    parts = step_parts(p.events())
+    whole = sum(parts.values())
+    share = parts["attention op"] / whole if whole else None
+    step_s = sorted(times)[1]
+    return {"preset": preset, "compiled": bool(getattr(tr, "compiled", tr.tc.compile)), "step_s_unprofiled": step_s,
+            "profiled_ms": whole, "parts_ms": parts, "attention_share": share,
             "step_s_if_attention_free": step_s * (1 - share) if share is not None else None}
+
+
+def _op_note(label: str, op: dict, counted: float, peak: float) -> str:
+    tot = sum(op["self_ms"].values())
+    return (f"{label}: its GEMMs executed {fmt(op['gemm_gflop'])} GFLOP ({fmt(op['gemm_gflop'] / counted)}x the "
+            f"{fmt(counted)} GFLOP yardstick) at {fmt(op['gemm_gflop_per_s'])} GFLOP/s, "
+            f"{fmt(100 * op['gemm_gflop_per_s'] / peak)}% of the {fmt(peak)} GFLOP/s [2048]^2 GEMM rate measured around "
+            f"the profile; GEMMs are {fmt(100 * op['self_ms']['gemm'] / tot)}% of the op's self time, exp "
+            f"{fmt(100 * op['self_ms']['exp'] / tot)}%, everything else {fmt(100 * op['self_ms']['other'] / tot)}%. "
+            f"Busiest ops (self ms): " + ", ".join(f"{k} {fmt(v)}" for k, v in op["busiest_ms"].items()) + ".")
 
 
 def main(quick: bool = False, out_dir=None) -> dict:
@@ -113,64 +175,57 @@ def main(quick: bool = False, out_dir=None) -> dict:
     features = FavorFeatures(D, M)
     q, k, v, up = make_inputs(n)
 
-    def ours():
-        for t in (q, k, v):
-            t.grad = None
-        ours_attention(q, k, v, features, True).backward(up)
-
-    def sdpa():
-        for t in (q, k, v):
-            t.grad = None
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(up)
+    def call(op):
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            op(q, k, v).backward(up)
+        return run
 
     gemm = gemm_probe(gemm_n(quick))
     gemm()
-    op = profile_call(ours)
-    sd = profile_call(sdpa)
+    ops = {"inside": profile_call(call(lambda q, k, v: ours_attention(q, k, v, features, True))),
+           "features_in": profile_call(call(lambda q, k, v: ours_features_in(q, k, v, features, True))),
+           "sdpa": profile_call(call(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)))}
     gemm()
     peak = max(gemm.rates)
     counted = ours_flops(n) / 1e9
     sd_flops = sdpa_flops(n) / 1e9
-    share = train_step_share(cfg["preset"], cfg["batch"])
-    base = None
+    base = {}
     tj = Path(out_dir or RESULTS_DIR) / "training.json"
     if tj.is_file():
-        with open(tj) as f:
-            tr = json.load(f)
-        if tr.get("quick") == quick:
-            base = tr["step_s"]["base"]
-    op_rate = counted / (op["wall_ms"] / 1e3)
-    sd_rate = sd_flops / (sd["wall_ms"] / 1e3)
-    rows = [
-        ["ours fwd+bwd (profiled)", op["wall_ms"], op["self_ms"]["gemm"], op["self_ms"]["exp"], op["self_ms"]["other"],
-         op["gemm_gflop"], op["gemm_gflop_per_s"]],
-        ["sdpa fwd+bwd (profiled)", sd["wall_ms"], sd["self_ms"]["gemm"], sd["self_ms"]["exp"], sd["self_ms"]["other"],
-         "-", "-"],
-    ]
+        tr = json.loads(tj.read_text())
+        if tr.get("quick") == quick and "presets" in tr:
+            base = {p: r["step_s"]["base"] for p, r in tr["presets"].items()}
+    steps = {p: train_step_profile(p, 1 if quick else threads()) for p in cfg["presets"]}
+    op, sd = ops["inside"], ops["sdpa"]
+    op_rate, sd_rate = counted / (op["wall_ms"] / 1e3), sd_flops / (sd["wall_ms"] / 1e3)
+    rows = [[f"{name} fwd+bwd (profiled)", o["wall_ms"], o["self_ms"]["gemm"], o["self_ms"]["exp"], o["self_ms"]["other"],
+             o["gemm_gflop"] if name != "sdpa" else "-", o["gemm_gflop_per_s"] if name != "sdpa" else "-"]
+            for name, o in ops.items()]
     notes = [
-        f"N={n}: the counted work of ours is {fmt(counted)} GFLOP (attention.ours_flops); its GEMMs executed "
-        f"{fmt(op['gemm_gflop'])} GFLOP ({fmt(op['gemm_gflop'] / counted)}x the count) at {fmt(op['gemm_gflop_per_s'])} "
-        f"GFLOP/s, {fmt(100 * op['gemm_gflop_per_s'] / peak)}% of the {fmt(peak)} GFLOP/s [2048]^2 GEMM rate measured "
-        f"around the profile; GEMMs are {fmt(100 * op['self_ms']['gemm'] / sum(op['self_ms'].values()))}% of the op's "
-        f"self time, exp {fmt(100 * op['self_ms']['exp'] / sum(op['self_ms'].values()))}%, everything else "
-        f"{fmt(100 * op['self_ms']['other'] / sum(op['self_ms'].values()))}%.",
-        f"Busiest ops of ours (self ms): " + ", ".join(f"{k} {fmt(v)}" for k, v in op["busiest_ms"].items()) + ".",
-        f"sdpa at N={n} does {fmt(sd_flops)} GFLOP, {fmt(sd_flops / counted)}x the counted work of ours, at "
-        f"{fmt(sd_rate)} GFLOP/s ({fmt(100 * sd_rate / peak)}% of the GEMM rate); ours ran its counted work at "
+        _op_note(f"inside, N={n}", op, counted, peak),
+        _op_note(f"features in, N={n}", ops["features_in"], counted, peak),
+        f"sdpa at N={n} does {fmt(sd_flops)} GFLOP, {fmt(sd_flops / counted)}x the yardstick of ours, at "
+        f"{fmt(sd_rate)} GFLOP/s ({fmt(100 * sd_rate / peak)}% of the GEMM rate); ours (inside) ran the yardstick at "
         f"{fmt(op_rate)} GFLOP/s. sdpa / ours = FLOP ratio x (our rate / sdpa's rate) = {fmt(sd_flops / counted)} x "
         f"{fmt(op_rate / sd_rate)} here; a target above the FLOP ratio needs ours to run faster than SDPA's kernel.",
-        f"{cfg['preset']}-preset training step ({cfg['batch']} x seq): the attention op (forward + backward) takes "
-        f"{fmt(100 * share['attention_share'])}% of the profiled step; with a free attention op the step would take "
-        f"{fmt(share['step_s_if_attention_free'])} s (measured {fmt(share['step_s_unprofiled'])} s)"
-        + (f", so ours / base tokens/s could reach at most {fmt(base / share['step_s_if_attention_free'])}x "
-           f"(base step {fmt(base)} s in training.json)." if base else "."),
     ]
+    for p, st in steps.items():
+        parts = ", ".join(f"{k} {fmt(100 * v / st['profiled_ms'])}%" for k, v in st["parts_ms"].items())
+        notes.append(
+            f"{p} training step ({'compiled' if st['compiled'] else 'eager'}, {fmt(st['step_s_unprofiled'])} s "
+            f"unprofiled): {parts} of the profiled step's self time; with a free attention op the step would take "
+            f"{fmt(st['step_s_if_attention_free'])} s"
+            + (f", so ours / base tokens/s could reach {fmt(base[p] / st['step_s_if_attention_free'])}x with the rest "
+               f"as it is (base step {fmt(base[p])} s in training.json)." if p in base else "."))
     result = {
         "name": NAME,
         "quick": quick,
-        "config": {"n": n, "d": D, "m": M, "preset": cfg["preset"], "batch": cfg["batch"]},
-        "ours": op, "sdpa": sd, "gemm_gflop_per_s": peak, "ours_counted_gflop": counted, "sdpa_gflop": sd_flops,
-        "training_step": share, "base_step_s": base,
+        "config": {"n": n, "d": D, "m": M, "presets": list(cfg["presets"])},
+        "ours": op, "ours_features_in": ops["features_in"], "sdpa": sd, "gemm_gflop_per_s": peak,
+        "ours_counted_gflop": counted, "sdpa_gflop": sd_flops,
+        "training_steps": steps, "base_step_s": base,
         "table": {"headers": ["profile", "wall ms", "GEMM ms", "exp ms", "other ms", "GEMM GFLOP executed",
                               "GEMM GFLOP/s"], "rows": rows},
         "targets": [],

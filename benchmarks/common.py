@@ -36,40 +36,29 @@ from linear_rope import FavorFeatures
 from linear_rope import rotary_linear_attention
 from linear_rope.ops.chunk import BLOCK, CHUNK
 
-THREADS = 2  # the machine's 2 cores; quick mode uses 1, see ``setup``
+THREADS_ENV = "LINEAR_ROPE_BENCH_THREADS"  # set by ``benchmarks.run --threads``; children inherit it
+
+
+def threads() -> int:
+    """Threads of a full (not quick) run: the machine's 2 cores, or ``--threads`` of ``benchmarks.run``
+    (1 where other jobs keep the cores busy: 2 OpenMP threads then spin at every barrier)."""
+    return int(os.environ.get(THREADS_ENV, "2"))
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
 
-def setup(quick: bool = False, seed: int = 0, steady: bool = True) -> None:
-    """Threads, seed and (for timing, ``steady``) the allocator. Quick mode (smoke tests) runs on 1 thread: on a busy 2-core machine,
+def setup(quick: bool = False, seed: int = 0) -> None:
+    """Threads and seed. Quick mode (smoke tests) runs on 1 thread: on a busy 2-core machine,
     2 OpenMP threads spin at every barrier waiting for a descheduled peer, which makes tiny ops
-    up to 50x slower, and the tests would crawl."""
-    torch.set_num_threads(1 if quick else THREADS)
-    torch.manual_seed(seed)
-    if steady:
-        steady_allocator()
+    up to 50x slower, and the tests would crawl.
 
-
-def steady_allocator() -> bool:
-    """Keep freed memory in glibc's heap (no trimming, no per-tensor mmap) for the timed runs.
-
-    Without this, an implementation that frees gigabytes (performer-pytorch) makes glibc give
-    the memory back to the OS, and whichever call comes next pays page faults on fresh memory:
-    measured here, ours at N=1024 fwd+bwd took 178 ms right after a performer call and 98 ms
-    otherwise. With one steady allocator every implementation is timed in the same conditions
-    (performer's own call also dropped from about 1.4 s to 1.0 s). Memory figures are measured
-    in separate processes with their own allocator settings (``benchmarks.memory``).
+    The allocator is glibc's default, as users get it: no ``mallopt`` and no ``MALLOC_*``
+    variables. (Until issue 22 the timings kept freed memory in the heap with ``mallopt``, which
+    hid the page faults of fresh memory: 20-30% of the op's time at N = 4096.)
     """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(M_MMAP_THRESHOLD, 1 << 30))
-    except (OSError, AttributeError):  # not glibc: leave the allocator alone
-        return False
+    torch.set_num_threads(1 if quick else threads())
+    torch.manual_seed(seed)
 
 
 # --- ours ------------------------------------------------------------------------------------
@@ -81,6 +70,13 @@ def ours_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: 
     public ``linear_rope.rotary_linear_attention`` with FAVOR+ inside (``projection``), which ``RotaryLinearAttention`` uses.
     """
     return rotary_linear_attention(q, k, v, projection=features.projection, rotary=rotary)
+
+
+def ours_features_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: FavorFeatures, rotary: bool) -> torch.Tensor:
+    """The same attention with the features made on the caller's side: ``features(q)``,
+    ``features(k)`` (FAVOR+, any user's own feature map goes here), then the op on them. The
+    features' time counts: it is what such a user pays."""
+    return rotary_linear_attention(features(q, is_query=True), features(k, is_query=False), v, rotary=rotary)
 
 
 def ours_path() -> str:

@@ -1,4 +1,4 @@
-"""Keywords on the fast path: mask, packed documents and state in, against the plain call.
+"""Keywords on the fast path: mask, packed documents, state in/out and per-row offsets, against the plain call.
 
     python -m benchmarks.keywords [--quick]
 
@@ -12,6 +12,8 @@ plain call of the same shape in the same interleaved rounds:
   the 4096 tokens (odd lengths, so no document ends on a chunk boundary). Plain: B = 1, H = 12.
 * ``initial_state``: B = 1, H = 12, a random non-negative state (S, z) in, and its gradient
   (``output_final_state=True``, the final state enters the loss too). Plain: B = 1, H = 12.
+* ``offsets``: B = 2, H = 6, per-row offsets ``[0, 1000]`` (a LongTensor `[B]`: each row
+  continues its own sequence at its own position). Plain: B = 2, H = 6.
 
 Target for each: keyword time / plain time <= 1.2 (medians of interleaved rounds).
 """
@@ -36,7 +38,7 @@ def _inputs(B, H, n, g):
 
 
 def make_calls(cfg, w):
-    """name -> zero-argument fwd+bwd call; names are 'plain/2x6', 'mask', 'plain/1x12', 'cu_seqlens', 'initial_state'."""
+    """name -> zero-argument fwd+bwd call: 'plain/2x6', 'mask', 'plain/1x12', 'cu_seqlens', 'initial_state', 'offsets'."""
     n = cfg["n"]
     assert sum(cfg["docs"]) == n
     g = torch.Generator().manual_seed(0)
@@ -68,10 +70,11 @@ def make_calls(cfg, w):
         "plain/1x12": call(b),
         "cu_seqlens": call(b, cu_seqlens=cu),
         "initial_state": call(b, initial_state=LinearAttentionState(S0, z0), output_final_state=True),
+        "offsets": call(a, offset=torch.tensor([0, 1000])),
     }
 
 
-BASELINE = {"mask": "plain/2x6", "cu_seqlens": "plain/1x12", "initial_state": "plain/1x12"}
+BASELINE = {"mask": "plain/2x6", "cu_seqlens": "plain/1x12", "initial_state": "plain/1x12", "offsets": "plain/2x6"}
 
 
 def main(quick: bool = False, out_dir=None) -> dict:

@@ -1,7 +1,7 @@
 """Peak memory of the attention op: each (impl, N, mode) in a fresh process.
 
     python -m benchmarks.memory [--quick]
-    python -m benchmarks.memory --one --impl ours_rope --n 65536 --mode fwd+bwd   # one child
+    python -m benchmarks.memory --one --impl ours_inside --n 65536 --mode fwd+bwd   # one child
 
 Same op, shapes and skips as ``benchmarks.attention``. A child imports everything, builds the
 module and the inputs (q, k, v and an upstream gradient, `[1, 12, N, 64]` fp32 each), resets
@@ -15,14 +15,13 @@ The high-water mark is Linux's VmHWM, the quantity ``ru_maxrss`` is meant to giv
 ``ru_maxrss`` also holds the parent's peak, inherited across fork + exec, which after the
 attention benchmark at N = 64k would hide every smaller peak.
 
-Children run with ``MALLOC_MMAP_THRESHOLD_`` = 1 MiB (``CHILD_ENV``): every allocation of 1 MiB
-or more is then its own mapping, returned to the system when freed, so the resident set follows
-the live tensors. With glibc's default, dynamic threshold, freed chunks of up to 32 MiB stay in
-the heap and fragment it: performer's many ~26 MiB per-chunk tensors then read anywhere from
-0.3 to 2.6 GiB for the same fwd at N = 4096, run to run. Tensors above 32 MiB (all of ours at
-large N) are mapped either way.
+Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; until
+issue 22 they set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
+chunks of up to 32 MiB stay in the heap and count in the resident set: the figures are what a
+user's process holds, fragmentation included (performer's many ~26 MiB per-chunk tensors make
+its column vary run to run). Tensors above 32 MiB (all of ours at large N) are mapped either way.
 
-Targets: ours_rope fwd+bwd at the largest N <= 2 GiB above baseline, and growth linear in N:
+Targets: ours_inside fwd+bwd at the largest N <= 2 GiB above baseline, and growth linear in N:
 the least-squares slope of log(MiB) against log(N) over N >= 4096 (``slope_min_n``) <= 1.15.
 """
 from __future__ import annotations
@@ -35,27 +34,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 from linear_rope import FavorFeatures
 
-from .attention import D, IMPLS, M, MODES, make_call, make_inputs, make_op, make_performer, skip_reason
+from .attention import D, IMPLS, M, make_call, make_inputs, make_op, make_performer, skip_reason
 from .common import fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
 
 NAME = "memory"
+MODES = ("fwd", "fwd+bwd")
 # skip: (impl, N, mode) -> reason, cuts on top of ``attention.skip_reason`` (e.g. for the 15-minute
 # budget); none now.
-FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1,
-            skip={("ours_none", 65536, "fwd"): "time budget", ("ours_none", 65536, "fwd+bwd"): "time budget",
-                  ("ours_rope", 65536, "fwd"): "time budget"})
-# Quick: fwd+bwd, every impl at N = 64 and ours_rope also at 128 (for the slope), two children
+FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1, modes=("fwd+bwd",),
+            skip={("ours_features_in", 65536, "fwd"): "time budget", ("ours_features_in", 65536, "fwd+bwd"): "time budget",
+                  ("ours_inside", 65536, "fwd"): "time budget",
+                  ("performer", 4096, "fwd+bwd"): "time budget (101 s and 9.5 GiB in the issue-22 run)"})
+# Quick: fwd+bwd, every impl at N = 64 and ours_inside also at 128 (for the slope), two children
 # at a time (a tiny child is mostly imports and first-call set-up).
 QUICK = dict(ns=(64, 128), slope_min_n=0, jobs=2, modes=("fwd+bwd",),
-             skip={(i, 128, "fwd+bwd"): "quick mode" for i in ("ours_none", "performer", "sdpa")})
+             skip={(i, 128, "fwd+bwd"): "quick mode" for i in ("ours_features_in", "performer", "sdpa")})
 TARGET_MIB = 2048.0
-CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 TARGET_SLOPE = 1.15
 
 
 def measure_one(impl: str, n: int, mode: str, quick: bool = False) -> dict:
     """Run in a fresh process: MiB of resident-set high water above the post-setup baseline."""
-    setup(quick, steady=False)  # keep CHILD_ENV's allocator: the peak should follow live tensors
+    setup(quick)
     features = FavorFeatures(D, M)
     call = make_call(make_op(impl, features, make_performer() if impl == "performer" else None), mode, *make_inputs(n))
     gc.collect()
@@ -92,7 +92,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
     def child(job):
         impl, n, mode = job
-        res = run_child("benchmarks.memory", ["--impl", impl, "--n", str(n), "--mode", mode] + ["--quick"] * quick, CHILD_ENV)
+        res = run_child("benchmarks.memory", ["--impl", impl, "--n", str(n), "--mode", mode] + ["--quick"] * quick)
         msg = res.get("error") or f"{fmt(res['delta_mib'])} MiB in {fmt(res['seconds'])} s"
         print(f"{impl} N={n} {mode}: {msg}", flush=True)
         return f"{impl}/{mode}/{n}", res
@@ -114,7 +114,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
                     cells.append(mib[key])
             rows.append(cells)
     big = max(cfg["ns"])
-    ours = [(n, mib.get(f"ours_rope/fwd+bwd/{n}")) for n in cfg["ns"] if n >= cfg["slope_min_n"]]
+    ours = [(n, mib.get(f"ours_inside/fwd+bwd/{n}")) for n in cfg["ns"] if n >= cfg["slope_min_n"]]
     slope = loglog_slope([(n, y) for n, y in ours if y is not None])
     result = {
         "name": NAME,
@@ -123,15 +123,15 @@ def main(quick: bool = False, out_dir=None) -> dict:
         "mib_above_baseline": mib,
         "children": children,
         "skipped": skipped,
-        "ours_rope_growth_slope": slope,
+        "ours_inside_growth_slope": slope,
         "table": {"headers": ["N", "mode", *[f"{i} MiB" for i in IMPLS]], "rows": rows},
         "targets": [
-            target(f"ours_rope fwd+bwd MiB above baseline, N={big}", mib.get(f"ours_rope/fwd+bwd/{big}"), "<=", TARGET_MIB),
-            target(f"ours_rope fwd+bwd growth, log-log slope over N>={cfg['slope_min_n']}", slope, "<=", TARGET_SLOPE),
+            target(f"ours_inside fwd+bwd MiB above baseline, N={big}", mib.get(f"ours_inside/fwd+bwd/{big}"), "<=", TARGET_MIB),
+            target(f"ours_inside fwd+bwd growth, log-log slope over N>={cfg['slope_min_n']}", slope, "<=", TARGET_SLOPE),
         ],
         "notes": [
             "MiB of high-water RSS (VmHWM) above the baseline taken after imports and input creation, one "
-            "fresh process per cell, with MALLOC_MMAP_THRESHOLD_=1MiB so that RSS follows live tensors; "
+            "fresh process per cell, glibc's default allocator (what a user's process holds); "
             "fwd+bwd includes the q, k, v gradients that outlive the op.",
         ],
     }

@@ -1,6 +1,6 @@
 """Run every benchmark, write ``benchmarks/results/<name>.json`` and (re)write BENCHMARKS.md.
 
-    python -m benchmarks.run                 # full run: about 15 min on 2 cores
+    python -m benchmarks.run                 # every target of issue 22: about 20 min on 2 idle cores
     python -m benchmarks.run --quick         # tiny sizes; writes under benchmarks/results/quick/
     python -m benchmarks.run --only memory   # re-run one benchmark; the others' sections come from
                                              # their JSON files, marked as from an earlier run
@@ -9,6 +9,9 @@ Run from the repository root. BENCHMARKS.md is generated: edit this file, not th
 each benchmark's JSON it writes ``summary.json`` (every target with PASS/MISS, the machine, its
 GEMM rate and the load average before and after), and appends ``benchmarks/results/gpu.md``
 (written by ``python -m benchmarks.gpu`` on a GPU machine) when that file exists.
+
+``busy_neighbour`` (a run beside a busy loop, about 18 min) is not part of the default run: it
+runs with ``--only busy_neighbour``, and its section is shown only in the run that ran it.
 """
 from __future__ import annotations
 
@@ -20,13 +23,16 @@ import time
 from pathlib import Path
 
 from . import attention, bounds, busy_neighbour, generation, keywords, leak, lm_training, memory, training
+from . import compile as compile_bench
 from .common import (
-    REPO_ROOT, RESULTS_DIR, fmt, format_table, gemm_n, machine_info, machine_peak, ours_path, setup, target_line,
-    write_json,
+    REPO_ROOT, RESULTS_DIR, THREADS_ENV, fmt, format_table, gemm_n, machine_info, machine_peak, ours_path, setup,
+    target_line, write_json,
 )
 
-BENCHMARKS = {m.NAME: m for m in (attention, keywords, memory, generation, training, lm_training, leak, bounds,
-                                   busy_neighbour)}
+# The default run, in order (bounds last: it reads training.json of the same run).
+BENCHMARKS = {m.NAME: m for m in (attention, keywords, memory, compile_bench, training, generation, lm_training, leak,
+                                   bounds)}
+OPT_IN = {busy_neighbour.NAME: busy_neighbour}  # only with --only
 GPU_MD = RESULTS_DIR / "gpu.md"
 
 
@@ -43,43 +49,51 @@ def misses_section(results: dict[str, dict]) -> list[str]:
     ``bounds``, the profiles, and the FLOP counts of ``attention``)."""
     misses = [(n, t) for n, r in results.items() for t in r["targets"] if t["pass"] is False]
     b = results.get("bounds")
-    if not misses or b is None or b.get("quick"):
+    if not misses or b is None or b.get("quick") or "training_steps" not in b:
         return []
-    ours, sd = b["ours"], b["sdpa"]
+    ours = b["ours"]
     self_ms = sum(ours["self_ms"].values())
     gemm_share = ours["self_ms"]["gemm"] / self_ms
     n = b["config"]["n"]
     busiest = ", ".join(f"{k} {fmt(v)} ms" for k, v in ours["busiest_ms"].items() if k not in bounds.GEMM_OPS)
-    op_line = (f"**The op's profile** (`bounds`, ours at N={n} fwd+bwd ({fmt(ours['wall_ms'])} ms profiled): GEMMs run at "
-               f"{fmt(ours['gemm_gflop_per_s'])} GFLOP/s ({fmt(100 * ours['gemm_gflop_per_s'] / b['gemm_gflop_per_s'])}% of "
-               f"the {fmt(b['gemm_gflop_per_s'])} GFLOP/s GEMM rate) but are only {fmt(100 * gemm_share)}% of the op's "
-               f"self time; the other {fmt(self_ms - ours['self_ms']['gemm'])} ms are memory-bound passes "
-               f"(the busiest outside the GEMMs: {busiest}; autograd-node rows are Python and dispatch). With no time "
-               f"outside the GEMMs the counted {fmt(b['ours_counted_gflop'])} GFLOP would run at "
+    op_line = (f"**The op's profile** (`bounds`, FAVOR+ inside at N={n} fwd+bwd ({fmt(ours['wall_ms'])} ms profiled): "
+               f"GEMMs run at {fmt(ours['gemm_gflop_per_s'])} GFLOP/s "
+               f"({fmt(100 * ours['gemm_gflop_per_s'] / b['gemm_gflop_per_s'])}% of the {fmt(b['gemm_gflop_per_s'])} "
+               f"GFLOP/s GEMM rate) but are only {fmt(100 * gemm_share)}% of the op's self time; the other "
+               f"{fmt(self_ms - ours['self_ms']['gemm'])} ms are memory-bound passes (the busiest outside the GEMMs: "
+               f"{busiest}; autograd-node rows are Python and dispatch). With no time outside the GEMMs the "
+               f"{fmt(b['ours_counted_gflop'])} GFLOP yardstick would run at "
                f"{fmt(100 * b['ours_counted_gflop'] / (ours['self_ms']['gemm'] / 1e3) / b['gemm_gflop_per_s'])}% "
                "of the GEMM rate.")
     out = ["## What bounds the misses", "", op_line, ""]
-    op_line = "the op's profile above"
+    op_ref = "the op's profile above"
     for name, t in misses:
-        if t["name"].startswith("sdpa / ours"):
+        if t["name"].startswith("sdpa / "):
             N = int(t["name"].rsplit("=", 1)[1])
             ratio = attention.sdpa_flops(N) / attention.ours_flops(N)
-            why = (f"SDPA does {fmt(ratio)}x the counted FLOPs of ours at N={N}, so at equal efficiency sdpa / ours = "
+            why = (f"SDPA does {fmt(ratio)}x the yardstick FLOPs at N={N}, so at equal efficiency sdpa / ours = "
                    f"{fmt(ratio)}; the target {fmt(t['threshold'])} needs ours to run its FLOPs "
-                   f"{fmt(t['threshold'] / ratio)}x as fast as SDPA's fused kernel runs its own (measured here: "
-                   f"{fmt(t['value'] / ratio)}x); what keeps ours from it: {op_line}.")
-        elif t["name"].startswith("performer"):
-            why = (f"performer's time is fixed; the target needs ours {fmt(t['threshold'] / t['value'])}x faster, "
-                   f"the same bound as the GEMM-efficiency target: {op_line}.")
-        elif t["name"].startswith("ours fwd+bwd rate"):
-            why = f"bounded by the time outside the GEMMs: {op_line}."
+                   f"{fmt(t['threshold'] / ratio)}x as fast as SDPA's kernel runs its own (measured here: "
+                   f"{fmt(t['value'] / ratio)}x); what keeps ours from it: {op_ref}.")
+        elif "crossover" in t["name"]:
+            why = (f"at N=1536 SDPA does {fmt(attention.sdpa_flops(1536) / attention.ours_flops(1536))}x the yardstick "
+                   f"FLOPs: a crossover there needs ours at least that efficient relative to SDPA; {op_ref}.")
+        elif "efficiency" in t["name"]:
+            why = f"bounded by the time outside the GEMMs: {op_ref}."
+        elif name == "compile":
+            reasons = {c.get("first_break") for c in results["compile"].get("checks", {}).values()} - {None}
+            why = (f"the first graph break: {'; '.join(sorted(reasons))[:300]}." if reasons else
+                   "see its section (compiled with graph breaks allowed where fullgraph failed).")
         elif name == "training":
-            st = b["training_step"]
-            why = (f"the attention op is {fmt(100 * st['attention_share'])}% of a {b['config']['preset']}-preset step "
-                   f"(profile); with a free op the step would take {fmt(st['step_s_if_attention_free'])} s against the "
-                   f"base commit's {fmt(b['base_step_s'])} s, at most "
-                   f"{fmt(b['base_step_s'] / st['step_s_if_attention_free']) if b.get('base_step_s') else '-'}x: the "
-                   "rest of the step (the dense layers, LayerNorm, the optimizer) bounds it, not the op.")
+            preset = t["name"].split()[-3].split("-")[0]
+            st, base = b["training_steps"].get(preset), b.get("base_step_s", {}).get(preset)
+            if st and base:
+                parts = ", ".join(f"{k} {fmt(100 * v / st['profiled_ms'])}%" for k, v in st["parts_ms"].items() if v)
+                why = (f"the step's profile ({parts}): with a free attention op the step would take "
+                       f"{fmt(st['step_s_if_attention_free'])} s against the base commit's {fmt(base)} s, at most "
+                       f"{fmt(base / st['step_s_if_attention_free'])}x with the rest of the step as it is.")
+            else:
+                why = "see the bounds section (no step profile of this preset)."
         else:
             why = "see its section: measured on a shared machine (load averages in Setup)."
         out.append(f"- **{name}: {t['name']}** ({fmt(t['value'])}, target {t['op']} {fmt(t['threshold'])}): {why}")
@@ -108,6 +122,8 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
         f"- fp32 GEMM, measured at the start: {fmt(peak)} GFLOP/s (best of 7 n x n matmuls, n = {gemm_n(quick)}); "
         "fractions of peak below use the GEMM rate measured in the same rounds as the workload",
         f"- ours: {ours_path()}",
+        "- Allocator: glibc's default, as users get it (no `mallopt`, no `MALLOC_*` variables; the timings before "
+        "issue 22 kept freed memory in the heap with `mallopt`, which hid 20-30% of the op's time at N=4096)",
         *([f"- Not re-run by this command (sections and targets from their last run's JSON, each with its own "
            f"load note): {', '.join(earlier)}"] if earlier else []),
         "",
@@ -122,7 +138,7 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
     out += [format_table(["benchmark", "target", "measured", "threshold", "result"], rows) if rows else "(none)", ""]
     out += misses_section(results)
     for name, r in results.items():
-        doc = (BENCHMARKS[name].__doc__ or name).strip().splitlines()
+        doc = ({**BENCHMARKS, **OPT_IN}[name].__doc__ or name).strip().splitlines()
         out += [f"## {name}: {doc[0]}", "", f"`python -m benchmarks.{name}`; JSON: `benchmarks/results/{name}.json`; "
                 f"{fmt(r.get('wall_s', 0) / 60)} min" + (" (earlier run)" if name in earlier else "")
                 + (f"; load average {r['load']}" if r.get("load") else "") + ".", ""]
@@ -142,9 +158,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--md", default=None, help="Markdown report path (default BENCHMARKS.md, or <out-dir>/BENCHMARKS.md with --quick)")
     p.add_argument("--render", action="store_true",
                    help="run nothing: rewrite BENCHMARKS.md and summary.json from the JSON files")
-    p.add_argument("--only", nargs="+", choices=list(BENCHMARKS),
+    p.add_argument("--only", nargs="+", choices=[*BENCHMARKS, *OPT_IN],
                    help="run only these benchmarks; BENCHMARKS.md takes the others from their JSON files")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of a full run (default 2, the machine's cores; 1 where other jobs keep them busy)")
     a = p.parse_args(argv)
+    if a.threads is not None:
+        os.environ[THREADS_ENV] = str(a.threads)
     out_dir = Path(a.out_dir) if a.out_dir else (RESULTS_DIR / "quick" if a.quick else RESULTS_DIR)
     md = Path(a.md) if a.md else (out_dir / "BENCHMARKS.md" if a.quick else REPO_ROOT / "BENCHMARKS.md")
     setup(a.quick)
@@ -155,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     results = {}
     for name in [] if a.render else (a.only or BENCHMARKS):
         t = time.perf_counter()
-        results[name] = BENCHMARKS[name].main(a.quick, out_dir)
+        results[name] = {**BENCHMARKS, **OPT_IN}[name].main(a.quick, out_dir)
         results[name]["wall_s"] = time.perf_counter() - t
         results[name]["load"] = load()  # after it, 1/5/15 min
         write_json(results[name], out_dir)  # again, with wall_s
@@ -169,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             if r.get("quick") == a.quick:
                 results[name] = r
                 earlier.append(name)
-    results = {n: results[n] for n in BENCHMARKS if n in results}
+    results = {n: results[n] for n in [*BENCHMARKS, *OPT_IN] if n in results}
     command = " ".join(["python -m benchmarks.run", *argv])
     md.parent.mkdir(parents=True, exist_ok=True)
     loads = (before, load())

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
 
 from benchmarks import common  # noqa: E402
 from benchmarks import run as bench_run  # noqa: E402
-from benchmarks.attention import ours_flops  # noqa: E402
+from benchmarks.attention import crossover, ours_flops  # noqa: E402
 from benchmarks.memory import loglog_slope  # noqa: E402
 from linear_rope import FavorFeatures, rotary_linear_attention  # noqa: E402
 
@@ -77,11 +77,26 @@ def test_result_shape(quick, name):
 
 def test_attention_numbers(quick):
     r = quick[1]["attention"]
-    for impl in ("ours_rope", "ours_none", "performer", "sdpa"):
-        for mode in ("fwd", "fwd+bwd"):
-            assert all(ms > 0 for ms in r["ms"][impl][mode].values()), (impl, mode)
-    f = r["flops"]
-    assert f["gflop_fwd_bwd"] > 0 and f["gflop_per_s"] > 0 and f["gemm_gflop_per_s_same_rounds"] > 0
+    for impl in ("ours_inside", "ours_features_in", "sdpa"):
+        assert len(r["ms"][impl]) == 3 and all(ms > 0 for ms in r["ms"][impl].values()), impl
+    assert all(0 < e for e in r["efficiency"].values()) and all(g > 0 for g in r["gemm_gflop_per_s_same_rounds"].values())
+    names = [t["name"] for t in r["targets"]]
+    assert sum("efficiency" in n for n in names) == 4 and sum("crossover" in n for n in names) == 2
+    assert sum(n.startswith("sdpa / ") for n in names) == 4
+
+
+def test_crossover_interpolates_in_log_n():
+    assert crossover({1024: 0.5, 2048: 2.0}) == (pytest.approx(1448.15, rel=1e-4), "between N=1024 and N=2048")
+    assert crossover({1024: 1.2, 2048: 3.0})[0] == 1024
+    assert crossover({1024: 0.5, 2048: 0.9}) == (None, "sdpa / ours < 1 up to N=2048")
+
+
+def test_compile_numbers(quick):
+    r = quick[1]["compile"]
+    for c in r["checks"].values():
+        assert c["graphs"] >= 1 and c["breaks"] >= 0 and c["max_rel_diff"] <= 1e-5
+        assert c["fullgraph"] or c["fullgraph_error"]
+    assert r["recompiles"]["first"] >= 1 and len(r["targets"]) == 9
 
 
 def test_memory_numbers(quick):
@@ -105,24 +120,36 @@ def test_lm_training_numbers(quick):
 
 def test_keywords_numbers(quick):
     r = quick[1]["keywords"]
-    assert set(r["ratio"]) == {"mask", "cu_seqlens", "initial_state"}
-    assert all(ms > 0 for ms in r["ms"].values()) and len(r["targets"]) == 3
+    assert set(r["ratio"]) == {"mask", "cu_seqlens", "initial_state", "offsets"}
+    assert all(ms > 0 for ms in r["ms"].values()) and len(r["targets"]) == 4
 
 
 def test_training_numbers(quick):
     r = quick[1]["training"]
-    if "tokens_per_s" in r:  # absent only where the base commit cannot be checked out
-        assert all(v > 0 for v in r["tokens_per_s"].values()) and r["speedup"] > 0
+    if "presets" in r:  # absent only where the base commit cannot be checked out
+        for p in r["presets"].values():
+            assert all(v > 0 for v in p["tokens_per_s"].values()) and p["speedup"] > 0
+            assert all(v > 0 for v in p["cpu_s_per_step"].values()) and p["speedup_cpu_time"] > 0
+            assert all(len(run["step_s"]) == 2 for runs in p["runs"].values() for run in runs)
 
 
 def test_bounds_and_summary(quick):
     out, results = quick
     b = results["bounds"]
-    assert b["ours"]["gemm_gflop"] > 0 and 0 < b["training_step"]["attention_share"] < 1
+    assert b["ours"]["gemm_gflop"] > 0 and b["ours_features_in"]["gemm_gflop"] > 0
+    st = b["training_steps"]["tiny"]
+    assert 0 < st["attention_share"] < 1 and sum(st["parts_ms"].values()) == pytest.approx(st["profiled_ms"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["machine"]["gemm_gflop_per_s"] > 0 and summary["machine"]["cpu"]
     assert {t["result"] for t in summary["targets"]} <= {"PASS", "MISS", "n/a"}
     assert len(summary["targets"]) == sum(len(r["targets"]) for r in results.values())
+
+
+def test_no_allocator_tuning():
+    """The timings use glibc's default allocator, as users get it (issue 22)."""
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        text = path.read_text()
+        assert "mallopt(" not in text and '"MALLOC_' not in text, path.name
 
 
 def test_ours_attention_is_features_then_eq19():

@@ -13,7 +13,7 @@ import torch
 from helpers import losses, run_main
 from linear_rope.enwik8.checkpoint import latest_checkpoint, load_checkpoint
 from linear_rope.enwik8.config import TrainConfig
-from linear_rope.enwik8.trainer import Trainer
+from linear_rope.enwik8.trainer import Trainer, compile_unavailable
 from linear_rope.model import MODEL_PRESETS, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,3 +87,47 @@ def test_compile_trains_and_its_losses_equal_eager(corpus, tmp_path):
     ckpt = load_checkpoint(latest_checkpoint(tmp_path / "compiled/rope-seed0"))
     assert not any("_orig_mod" in k for k in ckpt["model"])  # compiled in place: clean keys
     assert ckpt["config"]["train"]["compile"] is True
+
+
+def test_optimizer_is_fused_adamw_with_decay_on_matrices_only(splits, tmp_path):
+    t = trainer(splits, tmp_path, "rope", weight_decay=0.1)
+    opt = t.state.optimizer
+    assert isinstance(opt, torch.optim.AdamW) and all(g["fused"] for g in opt.param_groups)  # CPU has a fused kernel
+    decay, rest = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
+    assert rest["weight_decay"] == 0.0 and all(p.dim() < 2 for p in rest["params"])
+    assert len(decay["params"]) + len(rest["params"]) == len(list(t.model.parameters()))
+
+
+def test_fused_adamw_steps_like_the_for_loop_one(splits, tmp_path):
+    """The fused kernel is the same update: three steps from the same state, to fp32 rounding."""
+    runs = {}
+    for name in ("fused", "loop"):
+        t = trainer(splits, tmp_path, "rope")
+        if name == "loop":
+            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in t.state.optimizer.param_groups]
+            t.state.optimizer = torch.optim.AdamW(groups, lr=t.tc.lr, foreach=False)
+        runs[name] = ([t.train_step(s)[0] for s in range(3)], [p.detach().clone() for p in t.model.parameters()])
+    assert runs["fused"][0] == pytest.approx(runs["loop"][0], rel=1e-5)
+    for a, b in zip(runs["fused"][1], runs["loop"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_without_a_cxx_compiler_trains_eagerly_with_one_info_line(splits, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no g++, c++ or clang++ on it
+    monkeypatch.delenv("CXX", raising=False)
+    assert "C++ compiler" in compile_unavailable(torch.device("cpu"))
+    assert compile_unavailable(torch.device("cuda")) is None  # Inductor writes Triton there, not C++
+    t = trainer(splits, tmp_path, "rope", compile=True)
+    t._open()
+    try:
+        losses_ = [t.train_step(s)[0] for s in range(2)]
+    finally:
+        t._close()
+    err = capsys.readouterr().err
+    assert not t.compiled and all(np.isfinite(losses_))
+    assert [ln for ln in err.splitlines() if "info:" in ln] == [
+        "rope-seed0: info: no C++ compiler on the PATH ($CXX, g++, c++, clang++), which torch.compile needs on the "
+        "CPU; training eagerly (--no-compile says so up front)"]
+    header = [ln for ln in err.splitlines() if " params, steps " in ln]
+    assert len(header) == 1 and ", compiled" not in header[0]

@@ -39,7 +39,7 @@ class TrainConfig:
     data_dir: str = "data"  # where the splits (and enwik8.zip) are cached
     out: str | None = None  # experiment dir, one subdir per run (None: runs/<preset>)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    compile: bool = False  # model.compile() in place (optional on CPU)
+    compile: bool = False  # model.compile() in place (on CPU it needs a C++ compiler, else it trains eagerly and says so)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     threads: int | None = None  # torch CPU threads (None: the idle cores at start, see runtime.py)
     deterministic: bool = False  # torch.use_deterministic_algorithms (bitwise-repeatable runs)

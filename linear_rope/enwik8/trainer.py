@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -34,7 +36,7 @@ from .config import ConfigError, TrainConfig, lr_at, resume_diffs
 from .files import atomic_write
 from .runtime import Dist, Progress, StopSignals, param_digest
 
-__all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer",
+__all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer", "compile_unavailable",
            "NonFiniteError", "EXIT_NONFINITE", "FEATURE_SEED_OFFSET", "NONFINITE_FILE"]
 
 FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
@@ -95,11 +97,37 @@ def evaluate(model, split, seq_len: int, batch_size: int, dd: Dist = Dist(),
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only, through the fused kernel (one
+    pass per tensor, no per-parameter Python loop) where the device has one, else the for-each
+    one. A resumed checkpoint keeps the kernel it was saved with (``load_state_dict`` restores
+    the group's ``fused`` flag), so a resume stays bit-exact."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": tc.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr)
+    try:
+        return torch.optim.AdamW(groups, lr=tc.lr, fused=True)
+    except RuntimeError:  # no fused AdamW for this device
+        return torch.optim.AdamW(groups, lr=tc.lr, foreach=True)
+
+
+def on_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous CPU batch on ``device``: through pinned memory on CUDA, so that the copy is
+    asynchronous (``non_blocking`` from pageable memory is a synchronous copy); as is on the CPU."""
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot run on ``device`` here, or None. Inductor writes C++ for the
+    CPU, so it needs a compiler there (``$CXX``, g++, c++ or clang++ on the PATH)."""
+    if device.type != "cpu":
+        return None
+    names = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if any(shutil.which(n) for n in names if n):
+        return None
+    return "no C++ compiler on the PATH ($CXX, g++, c++, clang++), which torch.compile needs on the CPU"
 
 
 class TrainState:
@@ -166,6 +194,7 @@ class Trainer:
         self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
         self.writer, self.progress = None, None
         self.skipped, self._skip_run = False, 0  # --on-nonfinite skip: this step, and the run of them
+        self.compiled = False  # tc.compile, where a compiler was found (``_open``)
 
     def resume(self) -> bool:
         """Load the run dir's newest checkpoint, if any, after the one resume check."""
@@ -245,13 +274,12 @@ class Trainer:
         loss_sum = torch.zeros((), device=dd.device)
         for j in range(tc.grad_accum):
             lo = (j * dd.world + dd.rank) * tc.batch_size
-            x, y = data.crops(train, starts[lo:lo + tc.batch_size], mc.seq_len)
+            x, y = (on_device(t, dd.device) for t in data.crops(train, starts[lo:lo + tc.batch_size], mc.seq_len))
             sync = self.net is self.model or j == tc.grad_accum - 1  # DDP reduces on the last
             with contextlib.nullcontext() if sync else self.net.no_sync():
                 with autocast(dd.device, tc.precision):
-                    logits = self.net(x.to(dd.device, non_blocking=True))
-                loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                       y.to(dd.device, non_blocking=True).flatten())
+                    logits = self.net(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 (loss / tc.grad_accum).backward()
             loss_sum = loss_sum + loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or math.inf)
@@ -300,8 +328,14 @@ class Trainer:
     def _open(self) -> None:
         """compile, DDP, and on rank 0 config.json, the TensorBoard writer and the progress."""
         st, tc, dd = self.state, self.tc, self.dd
-        if tc.compile:
-            self.model.compile()  # in place: state_dict keys stay clean
+        if tc.compile and not self.compiled:
+            why = compile_unavailable(dd.device)
+            if why is None:
+                self.model.compile()  # in place: state_dict keys stay clean
+                self.compiled = True
+            elif dd.lead:
+                print(f"{self.name}: info: {why}; training eagerly (--no-compile says so up front)",
+                      file=sys.stderr)
         if dd.world > 1:
             ids = [dd.device.index] if dd.device.type == "cuda" else None
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -316,7 +350,7 @@ class Trainer:
         self.writer.add_text("config", f"```\n{text}\n```", st.step)
         precision = "bf16 autocast" if uses_bf16(dd.device, tc.precision) else "fp32"
         print(f"{self.name}: {self.model.num_params():,} params, steps {st.step} -> {tc.steps}, "
-              f"device {dd.device}, {precision}{', compiled' if tc.compile else ''}, "
+              f"device {dd.device}, {precision}{', compiled' if self.compiled else ''}, "
               f"{f'threads {self.threads}, ' if self.threads else ''}ranks {dd.world}, "
               f"global batch {self.per_step}", file=sys.stderr)
 
