@@ -126,11 +126,14 @@ def test_keywords_numbers(quick):
 
 def test_training_numbers(quick):
     r = quick[1]["training"]
-    if "presets" in r:  # absent only where the base commit cannot be checked out
-        for p in r["presets"].values():
-            assert all(v > 0 for v in p["tokens_per_s"].values()) and p["speedup"] > 0
-            assert all(v > 0 for v in p["cpu_s_per_step"].values()) and p["speedup_cpu_time"] > 0
-            assert all(len(run["step_s"]) == 2 for runs in p["runs"].values() for run in runs)
+    if "presets" not in r:  # the base commit could not be checked out (e.g. a shallow clone)
+        notes = r.get("notes") or []
+        assert notes and notes[0].startswith("not run: no worktree"), r  # and nothing else went wrong
+        pytest.skip(notes[0])
+    for p in r["presets"].values():
+        assert all(v > 0 for v in p["tokens_per_s"].values()) and p["speedup"] > 0
+        assert all(v > 0 for v in p["cpu_s_per_step"].values()) and p["speedup_cpu_time"] > 0
+        assert all(len(run["step_s"]) == 2 for runs in p["runs"].values() for run in runs)
 
 
 def test_bounds_and_summary(quick):
