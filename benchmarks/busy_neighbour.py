@@ -170,7 +170,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
 if __name__ == "__main__":
     import argparse
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny preset, one round (smoke test)")
     p.add_argument("--out-dir", default=None, help="where busy_neighbour.json goes")
     a = p.parse_args()

@@ -314,7 +314,7 @@ def cli(main: Callable[..., dict], doc: str) -> None:
     """The command line of a benchmark module: ``python -m benchmarks.<name> [--quick] [--out-dir D]``."""
     import argparse
 
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
     a = p.parse_args()

@@ -65,7 +65,7 @@ GRACE_S = 20.0  # past a part's budget before its deadline fires (a call in flig
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda (default when available) or cpu")
     p.add_argument("--quick", action="store_true", help="toy sizes: every part in under a minute on a CPU")

@@ -139,7 +139,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests (with --one: 1 thread)")
     p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
     p.add_argument("--one", action="store_true", help="child mode: measure one configuration, print JSON")

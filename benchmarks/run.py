@@ -136,7 +136,7 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test); results go to benchmarks/results/quick")
     p.add_argument("--out-dir", default=None, help="directory for <name>.json (default benchmarks/results[/quick])")
     p.add_argument("--md", default=None, help="Markdown report path (default BENCHMARKS.md, or <out-dir>/BENCHMARKS.md with --quick)")

@@ -131,7 +131,7 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny preset, for smoke tests")
     p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
     p.add_argument("--base-ref", default=BASE_REF, help="the commit to compare with (default %(default)s)")

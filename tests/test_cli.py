@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from linear_rope.enwik8 import train
-from linear_rope.enwik8.cli import build_parser, parse_runs
+from linear_rope.enwik8.cli import OneLineParser, build_parser, parse_runs
 from linear_rope.model import ModelConfig
 from linear_rope.enwik8.config import TrainConfig
 
@@ -27,6 +28,8 @@ CASES = {
     "missing-data": (TRAIN + ["--data", "{tmp}/nope.txt"], 2, "data file not found", False),
     "zero-steps": (TRAIN + ["--steps", "0"], 2, "steps must be >= 1", False),
     "shim-variant": (SHIM + ["--variants", "alibi"], 2, "train_enwik8.py: error: unknown variant", False),
+    # no abbreviations: --step is not taken as --steps
+    "shim-abbreviation": (SHIM + ["--step", "10"], 2, "unrecognized arguments: --step 10", True),
     "sample-missing": (SAMPLE + ["{tmp}/nope.pt", "--prompt", "x"], 2, "checkpoint not found", False),
     "help": (TRAIN + ["--help"], 0, None, False),
 }
@@ -104,6 +107,42 @@ def test_argparse_type_errors_in_process(capsys, argv, text):
     assert text in capsys.readouterr().err
 
 
+def _entry_points():
+    """The command lines callable in-process: ``{name: (main, argv, the words refused)}``."""
+    from benchmarks import gpu, run
+    from linear_rope.enwik8 import sample
+    from linear_rope.results import plots
+
+    return {"train": (train.main, ["--step", "10"], "--step 10"),
+            "sample": (sample.main, ["x.pt", "--prom", "a"], "--prom a"),
+            "plots": (plots.main, ["tables", "--ru", "r"], "--ru r"),
+            "benchmarks.run": (run.main, ["--rend"], "--rend"),
+            "benchmarks.gpu": (gpu.main, ["--quic"], "--quic")}
+
+
+@pytest.mark.parametrize("name", ["train", "sample", "plots", "benchmarks.run", "benchmarks.gpu"])
+def test_no_entry_point_takes_an_abbreviated_flag(capsys, name):
+    """argparse's default would take ``--step`` for ``--steps``; every parser refuses it."""
+    main, argv, refused = _entry_points()[name]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"unrecognized arguments: {refused}" in capsys.readouterr().err
+
+
+def test_every_argument_parser_refuses_abbreviations():
+    """The parsers that only run under ``__main__`` (benchmarks' children) are read, not run:
+    each ``ArgumentParser(`` in the project passes ``allow_abbrev=False``."""
+    calls = {}
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("linear_rope/**/*.py"), *ROOT.glob("benchmarks/**/*.py"),
+                 *ROOT.glob("results/**/*.py")]:
+        for m in re.finditer(r"\bArgumentParser\((.*)", path.read_text()):
+            calls[f"{path.relative_to(ROOT)}: {m.group(0)[:60]}"] = "allow_abbrev=False" in m.group(1)
+    assert len(calls) >= 6  # benchmarks/ has six
+    assert all(calls.values()), [c for c, ok in calls.items() if not ok]
+    assert OneLineParser().allow_abbrev is False  # train, sample and plots
+
+
 # ------------------------------------------------------------------ flags checked before data
 
 EARLY = [  # (argv, text in the one error line)
@@ -166,3 +205,45 @@ def test_flags_not_given_keep_the_preset():
     _, runs = parse_runs(build_parser(), ["--preset", "tiny", "--no-compile"])
     (_, mc, tc), _ = runs
     assert mc.nb_features == 16 and tc.steps == 20 and tc.compile is False and tc.out == "runs/tiny"
+
+
+# ------------------------------------------------------------------ enwik8 without internet
+
+@pytest.mark.parametrize("server", ["closed-port", "http-404"])
+def test_enwik8_unreachable_is_one_line_naming_data(tmp_path, capsys, monkeypatch, server):
+    """No --data and no enwik8 to be had: one line that says so and names --data (no download
+    line first, no traceback), and neither a zip nor a run directory is left behind."""
+    import functools
+    import http.server
+    import socket
+    import threading
+
+    from helpers import run_main
+    from linear_rope.enwik8 import data
+
+    if server == "closed-port":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}/enwik8.zip"
+    else:
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):  # the server's own access log would go to stderr
+                pass
+
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=tmp_path))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/no/enwik8.zip"  # 404
+    monkeypatch.setattr(data, "prepare_enwik8", functools.partial(data.prepare_enwik8, url=url))
+    try:
+        code, out, err = run_main(["--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "runs"),
+                                   "--data-dir", str(tmp_path / "data")])
+    finally:
+        if server != "closed-port":
+            httpd.shutdown()
+            httpd.server_close()
+    lines = err.strip().splitlines()
+    assert code == 2 and out == ""
+    assert len(lines) == 1, err
+    assert lines[0].startswith("python -m linear_rope.train: error: could not fetch enwik8 (download of ")
+    assert url in lines[0] and "pass --data PATH" in lines[0]
+    assert not (tmp_path / "runs").exists() and list((tmp_path / "data").iterdir()) == []

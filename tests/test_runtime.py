@@ -21,21 +21,30 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("idle, want", [(2.0, 2), (1.4, 1), (1.6, 2), (0.2, 1), (None, "same")])
-def test_threads_follow_the_idle_cores(monkeypatch, restore_threads, idle, want):
+@pytest.mark.parametrize("idle, want, why", [
+    (2.0, 2, "one per idle core: 2.0 of 2 cores idle at start"),
+    (1.4, 1, "one per idle core: 1.4 of 2 cores idle at start"),
+    (1.6, 2, "one per idle core: 1.6 of 2 cores idle at start"),
+    (0.2, 1, "the minimum: only 0.2 of 2 cores idle at start"),
+    (3.0, 2, "capped at torch's default 2: 3.0 of 2 cores idle at start"),
+    (None, 2, "torch's default: idle cores unknown, /proc/stat unreadable")])
+def test_threads_follow_the_idle_cores(monkeypatch, restore_threads, idle, want, why):
+    """The choice, and the reason the start line gives for it (``threads 1 (<why>)``)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(runtime, "idle_cores", lambda seconds=0.3: idle)
-    torch.set_num_threads(2)  # torch's default on this 2-core machine
-    n, why = choose_threads(None, CPU)
-    assert n == torch.get_num_threads() == (2 if want == "same" else want)
-    assert ("idle cores" in why) == (idle is not None)
+    monkeypatch.setattr(runtime, "_cores", lambda: 2)
+    torch.set_num_threads(2)  # torch's default on a 2-core machine
+    assert choose_threads(None, CPU) == (want, why)
+    assert torch.get_num_threads() == want
 
 
 def test_explicit_threads_and_omp_num_threads_win(monkeypatch, restore_threads):
     monkeypatch.setattr(runtime, "idle_cores", lambda seconds=0.3: pytest.fail("probed"))
-    assert choose_threads(1, CPU) == (1, "--threads")
+    assert choose_threads(1, CPU) == (1, "set by --threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert choose_threads(None, CPU)[1] == "OMP_NUM_THREADS"
+    assert choose_threads(None, CPU)[1] == "set by OMP_NUM_THREADS"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert choose_threads(None, torch.device("cuda"))[1] == "torch's default; the model runs on cuda"
 
 
 def test_idle_cores_reads_proc_stat():
@@ -76,3 +85,5 @@ def test_a_run_logged_to_a_file_has_no_carriage_returns(tmp_path, corpus, one_th
     assert len(val) == 4 and all(re.fullmatch(r"(rope|none)-seed0 step [36]: val bpc [\d.]+ "
                                               r"\(eval [\d.]+ s\)", ln) for ln in val), val
     assert sum(bool(re.match(r"(rope|none)-seed0 step 6/6 ", ln)) for ln in err.splitlines()) == 2
+    starts = [ln for ln in err.splitlines() if " params, steps 0 -> 6, " in ln]
+    assert len(starts) == 2 and all(", threads 1 (set by OMP_NUM_THREADS), " in ln for ln in starts), starts

@@ -67,3 +67,29 @@ def test_bad_generation_args_exit_2(tmp_path, capsys):
         sample.main([str(path), "--prompt", "", "--max-new-tokens", "3"])
     assert exc.value.code == 2
     assert "prompt" in capsys.readouterr().err
+
+
+def test_an_experiment_folder_lists_its_runs(tmp_path, capsys):
+    """``runs/first`` holds run folders, not checkpoints: the error names each run folder that has
+    a checkpoint (and only those)."""
+    exp = tmp_path / "first"
+    for run in ("rope-seed0", "none-seed0"):
+        (exp / run).mkdir(parents=True)
+        save_model(exp / run / "ckpt-00001000.pt", forced_byte_model(65))
+    (exp / "empty-seed0").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        sample.main([str(exp), "--prompt", "x"])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"python -m linear_rope.sample: error: {exp} holds runs, not checkpoints: name one "
+                     f"of {exp / 'none-seed0'}, {exp / 'rope-seed0'}"]
+    assert sample.main([str(exp / "rope-seed0"), "--prompt", "x", "--max-new-tokens", "2",
+                        "--top-k", "1"]) == 0
+    assert capsys.readouterr().out == "xAA\n"
+
+
+def test_an_empty_folder_says_no_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sample.main([str(tmp_path), "--prompt", "x"])
+    assert exc.value.code == 2
+    assert f"no checkpoint in {tmp_path}" in capsys.readouterr().err

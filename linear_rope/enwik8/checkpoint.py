@@ -99,9 +99,13 @@ def resolve_checkpoint(path) -> Path:
     path = Path(path)
     if path.is_dir():
         latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"no checkpoint in {path} (expected ckpt-<step>.pt files)")
-        return latest
+        if latest is not None:
+            return latest
+        runs = sorted(str(d) for d in path.iterdir() if d.is_dir() and latest_checkpoint(d))
+        if runs:  # an experiment folder (runs/<exp>), which holds run folders
+            raise CheckpointError(f"{path} holds runs, not checkpoints: name one of "
+                                  f"{', '.join(runs)}")
+        raise CheckpointError(f"no checkpoint in {path} (expected ckpt-<step>.pt files)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     return path

@@ -26,7 +26,11 @@ __all__ = ["OneLineParser", "build_parser", "parse_runs", "configs_from_args", "
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line on stderr (exit 2), without the usage dump."""
+    """argparse, but a bad command line is one line on stderr (exit 2), without the usage dump,
+    and a flag is only ever its full name (``--step`` is an error, not ``--steps``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")

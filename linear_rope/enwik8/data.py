@@ -125,8 +125,7 @@ def download(url: str, dest, *, md5: str | None = None, size: int | None = None,
     dest = Path(dest)
 
     def fetch(f) -> None:
-        print(f"downloading {url} -> {dest}", file=sys.stderr)
-        got_size, got_md5 = _stream(url, f, timeout)
+        got_size, got_md5 = _stream(url, f, timeout, f"downloading {url} -> {dest}")
         if size is not None and got_size != size:
             raise DataError(f"download of {url} failed: got {got_size} bytes, "
                             f"expected {size} (truncated?)")
@@ -144,10 +143,12 @@ def download(url: str, dest, *, md5: str | None = None, size: int | None = None,
     return dest
 
 
-def _stream(url: str, f, timeout: float) -> tuple[int, str]:
-    """Copy the response body of ``url`` into ``f``; return (bytes written, md5 hex)."""
+def _stream(url: str, f, timeout: float, note: str) -> tuple[int, str]:
+    """Copy the response body of ``url`` into ``f``; return (bytes written, md5 hex). ``note``
+    goes to stderr once the server has answered (offline, the error is the only line)."""
     digest, written = hashlib.md5(usedforsecurity=False), 0
     with urllib.request.urlopen(url, timeout=timeout) as resp:
+        print(note, file=sys.stderr)
         total = resp.headers.get("Content-Length")
         bar = _progress_bar(int(total) if total else None, Path(url).name)
         try:
@@ -226,7 +227,12 @@ def prepare_enwik8(data_dir="data", *, source=None, url: str = ENWIK8_URL,
     zip_path = data_dir / "enwik8.zip"
     fresh = source is None and not zip_path.exists()
     if fresh:
-        download(url, zip_path)
+        try:
+            download(url, zip_path)
+        except DataError as e:  # offline, most often: say what to do instead
+            raise DataError(f"could not fetch enwik8 ({e}); without internet, pass --data PATH to "
+                            f"train on any byte corpus you have, or copy enwik8.zip into "
+                            f"{data_dir}/") from None
     source = zip_path if source is None else Path(source)
     try:
         raw = read_corpus(source)

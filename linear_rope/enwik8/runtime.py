@@ -58,6 +58,10 @@ def init_distributed(device: str) -> Dist:
     return Dist(rank, world, dev)
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def idle_cores(seconds: float = 0.3) -> float | None:
     """Cores left idle by every other process over ``seconds`` (from /proc/stat; this process
     is asleep meanwhile). ``None`` where /proc/stat cannot be read."""
@@ -72,32 +76,39 @@ def idle_cores(seconds: float = 0.3) -> float | None:
         idle1, total1 = sample()
     except (OSError, ValueError, IndexError):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores * (idle1 - idle0) / max(1, total1 - total0)
+    return _cores() * (idle1 - idle0) / max(1, total1 - total0)
 
 
 def choose_threads(requested: int | None, device: torch.device) -> tuple[int, str]:
-    """Set torch's CPU threads; return ``(threads, why)``.
+    """Set torch's CPU threads; return ``(threads, why)``, ``why`` in words for the start line
+    (``threads 1 (the minimum: only 0.1 of 2 cores idle at start)``).
 
     ``--threads N`` and ``OMP_NUM_THREADS`` win. Otherwise, on CPU, one thread per core that is
     idle at start (at least one). torch's default is one per core, busy or not: beside one
     busy-looping process on 2 cores, 2 OpenMP threads make every parallel region wait for the
     thread that shares a core with the neighbour (and spin meanwhile), and a ``cpu``-preset
-    step took 2.8-3.5x its time alone; with 1 thread it takes 1.3-1.5x (README, "A fair share").
+    step took 2.8-3.5x its time alone; with 1 thread it takes 1.3-1.5x (docs/performance.md,
+    "A fair share of a busy machine").
     """
     if requested:
         torch.set_num_threads(requested)
-        return requested, "--threads"
+        return requested, "set by --threads"
     if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads(), "OMP_NUM_THREADS"
+        return torch.get_num_threads(), "set by OMP_NUM_THREADS"
     if device.type != "cpu":
-        return torch.get_num_threads(), "torch default"
+        return torch.get_num_threads(), f"torch's default; the model runs on {device.type}"
     idle = idle_cores()
     if idle is None:
-        return torch.get_num_threads(), "torch default"
-    n = max(1, min(torch.get_num_threads(), math.floor(idle + 0.5)))
+        return torch.get_num_threads(), "torch's default: idle cores unknown, /proc/stat unreadable"
+    most, per_idle = torch.get_num_threads(), math.floor(idle + 0.5)
+    n = max(1, min(most, per_idle))
     torch.set_num_threads(n)
-    return n, f"{idle:.1f} idle cores at start"
+    seen = f"{idle:.1f} of {_cores()} cores idle at start"
+    if per_idle < 1:
+        return n, f"the minimum: only {seen}"
+    if per_idle > most:
+        return n, f"capped at torch's default {most}: {seen}"
+    return n, f"one per idle core: {seen}"
 
 
 class StopSignals:

@@ -9,8 +9,9 @@
 Eq. 19 weight matrix of one head and the row sums of every head, per variant, as PNGs and as
 TensorBoard images in the run), ``rowsums`` (row sums of every layer and head of every run at
 windows L, 2L, 4L, 8L), ``decay``, ``summary`` (``summary.json`` and the val-BPC
-figure with mean +- std bands) and ``tables`` (the README's markdown tables, printed). Every
-figure is drawn from the CSV / JSON written beside it.
+figure with mean +- std bands) and ``tables`` (the markdown tables of ``results/README.md``,
+printed). ``headline`` prints the top-level README's one table. Every figure is drawn from the
+CSV / JSON written beside it.
 """
 from __future__ import annotations
 
@@ -450,14 +451,27 @@ def _curves_figure(variants: dict, path: Path) -> None:
     _save(fig, path, axes)
 
 
-def tables(out: Path) -> str:
-    """The README's results tables (markdown) from ``summary.json``."""
+def _ms(d, digits=3) -> str:
+    """``mean ± std`` of a summary entry (``mean`` alone for one seed, ``–`` for none)."""
+    return "–" if not d else (f"{d['mean']:.{digits}f} ± {d['std']:.{digits}f}" if d["n"] > 1
+                              else f"{d['mean']:.{digits}f}")
+
+
+def headline(out: Path) -> str:
+    """The top-level README's one results table: final val and test BPC per variant, mean ± std
+    over seeds, from ``summary.json``."""
     s = json.loads((out / "summary.json").read_text())
+    lines = ["| variant | seeds | final val BPC | final test BPC |", "|---|---|---|---|"]
+    for v in (v for v in ORDER if v in s["variants"]):
+        e = s["variants"][v]
+        lines.append(f"| `{v}` | {len(e['seeds'])} | {_ms(e['final_val_bpc'])} | {_ms(e['final_test_bpc'])} |")
+    return "\n".join(lines)
 
-    def ms(d, digits=3):
-        return "–" if not d else (f"{d['mean']:.{digits}f} ± {d['std']:.{digits}f}" if d["n"] > 1
-                                  else f"{d['mean']:.{digits}f}")
 
+def tables(out: Path) -> str:
+    """The results report's tables (markdown, ``results/README.md``) from ``summary.json``."""
+    s = json.loads((out / "summary.json").read_text())
+    ms = _ms
     order = [v for v in ORDER if v in s["variants"]]
     lines = ["| variant | seeds | training bytes per run | final val BPC | final test BPC | final train "
              "BPC (EMA) | steps to reach `none`'s final val BPC (val curve / smoothed train curve) | "
@@ -549,7 +563,7 @@ def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m linear_rope.plots", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "rowsums", "decay",
-                                    "summary", "tables"])
+                                    "summary", "tables", "headline"])
     p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
     p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
                    help="the corpus the runs trained on (for test windows)")
@@ -561,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.what not in ("decay", "summary", "tables") and not runs.is_dir():
+    if args.what not in ("decay", "summary", "tables", "headline") and not runs.is_dir():
         p.exit(2, f"{p.prog}: error: --runs {runs} is not a directory\n")
     try:
         if args.what in ("all", "export"):
@@ -578,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             summary(runs, out)
         if args.what in ("all", "tables"):
             print(tables(out))
+        if args.what == "headline":
+            print(headline(out))
     except (data.DataError, CheckpointError, ResultsError) as e:
         p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
     return 0
