@@ -12,6 +12,7 @@ from torch import nn
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .ops.utils import check_cu_seqlens, check_mask
+from .qk_norm import QKNorm
 from .rotary import apply_rotary, check_offset, packed_positions, token_positions
 
 __all__ = ["RotaryLinearAttention", "POSITIONS"]
@@ -44,6 +45,8 @@ class RotaryLinearAttention(nn.Module):
         dropout: dropout on the output projection (linear attention never forms the attention
             weights, so there is nothing else to drop).
         base: RoPE base.
+        qk_norm: q and k scaled to unit norm, times a learned scale per head, before RoPE and the
+            feature map (``QKNorm``): bounded logits and well-conditioned FAVOR+ features.
 
     The FAVOR+ projection is shared by all heads, as in performer-pytorch; ``self.features``
     owns it and ``self.features.redraw(generator)`` renews it. Cross-attention (``context=``)
@@ -63,6 +66,7 @@ class RotaryLinearAttention(nn.Module):
         feature_map: str = "favor",
         dropout: float = 0.0,
         base: float = 10000.0,
+        qk_norm: bool = False,
     ):
         super().__init__()
         if position not in POSITIONS:
@@ -82,6 +86,7 @@ class RotaryLinearAttention(nn.Module):
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
         self.to_out = nn.Linear(inner, dim)
         self.dropout = nn.Dropout(dropout)
+        self.qk_norm = QKNorm(heads, dim_head) if qk_norm else None
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim_head={self.dim_head}, causal={self.causal}, position={self.position!r}"
@@ -92,12 +97,15 @@ class RotaryLinearAttention(nn.Module):
 
     def _qkv(self, x, context):
         if context is None:
-            return [self._heads(t) for t in self.to_qkv(x).chunk(3, dim=-1)]
-        inner = self.heads * self.dim_head
-        w = self.to_qkv.weight
-        q = F.linear(x, w[:inner])
-        k, v = F.linear(context, w[inner:]).chunk(2, dim=-1)
-        return self._heads(q), self._heads(k), self._heads(v)
+            q, k, v = (self._heads(t) for t in self.to_qkv(x).chunk(3, dim=-1))
+        else:
+            inner = self.heads * self.dim_head
+            w = self.to_qkv.weight
+            q = self._heads(F.linear(x, w[:inner]))
+            k, v = (self._heads(t) for t in F.linear(context, w[inner:]).chunk(2, dim=-1))
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q), self.qk_norm(k)
+        return q, k, v
 
     def _op_inputs(self, q, k):
         """FAVOR+ goes inside the op (fused, features never stored); elu / relu before it."""

@@ -9,15 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import RotaryLinearAttention
-from .features import FEATURE_KINDS
+from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState
 from .ops.utils import check_mask
 from .rotary import check_offset, token_positions
+from .softmax_attention import SoftmaxAttention
 
 __all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
 
-# The ablation's variants: where position information enters the model.
-LM_POSITIONS = ("rope", "rope_pre", "rope_norm", "absolute", "none")
+# The ablation's variants: where position information enters the model. ``softmax`` is the
+# anchor: exact causal softmax attention with RoPE on q and k (``SoftmaxAttention``).
+LM_POSITIONS = ("rope", "rope_pre", "rope_norm", "absolute", "none", "softmax")
 
 
 @dataclass
@@ -29,12 +31,13 @@ class ModelConfig:
     dim_head: int = 64  # per-head dim d
     nb_features: int | None = 266  # FAVOR+ features m (None: int(d ln d), even)
     seq_len: int = 1024  # training context; also the size of the `absolute` table
-    position: str = "rope"  # rope (Eq. 19) | rope_pre | rope_norm | absolute | none
+    position: str = "rope"  # rope (Eq. 19) | rope_pre | rope_norm | absolute | none | softmax
     feature_map: str = "favor"  # favor | elu | relu
     ff_mult: int = 4  # feed-forward hidden = ff_mult * dim
     dropout: float = 0.0  # on residual branches and embeddings
     rope_base: float = 10000.0  # RoPE base
     feature_redraw_interval: int = 1000  # training steps between FAVOR+ redraws (0: never)
+    qk_norm: bool = False  # q and k at unit norm times a learned per-head scale (see qk_norm.py)
 
     def __post_init__(self):
         if self.position not in LM_POSITIONS:
@@ -53,8 +56,8 @@ class ModelConfig:
         if self.position in ("rope", "rope_norm") and self.nb_features is not None and self.nb_features % 2:
             raise ValueError(f"nb_features: {self.position} rotates the features, so m must be even, "
                              f"got {self.nb_features}")
-        if self.position == "rope_pre" and self.dim_head % 2:
-            raise ValueError(f"dim_head: rope_pre rotates q and k, so it must be even, "
+        if self.position in ("rope_pre", "softmax") and self.dim_head % 2:
+            raise ValueError(f"dim_head: {self.position} rotates q and k, so it must be even, "
                              f"got {self.dim_head}")
 
 
@@ -84,11 +87,18 @@ class Block(nn.Module):
         super().__init__()
         attn_position = cfg.position if cfg.position in ("rope", "rope_pre", "rope_norm") else "none"
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = RotaryLinearAttention(
-            cfg.dim, heads=cfg.heads, dim_head=cfg.dim_head, nb_features=cfg.nb_features,
-            causal=True, position=attn_position, feature_map=cfg.feature_map, dropout=cfg.dropout,
-            base=cfg.rope_base,
-        )
+        if cfg.position == "softmax":
+            # Draw (and drop) the FAVOR+ projection a linear layer draws here, so the global RNG
+            # is where it is for the other variants and the same seed gives the same weights.
+            FavorFeatures(cfg.dim_head, cfg.nb_features, kind=cfg.feature_map)
+            self.attn = SoftmaxAttention(cfg.dim, heads=cfg.heads, dim_head=cfg.dim_head, dropout=cfg.dropout,
+                                         base=cfg.rope_base, qk_norm=cfg.qk_norm)
+        else:
+            self.attn = RotaryLinearAttention(
+                cfg.dim, heads=cfg.heads, dim_head=cfg.dim_head, nb_features=cfg.nb_features,
+                causal=True, position=attn_position, feature_map=cfg.feature_map, dropout=cfg.dropout,
+                base=cfg.rope_base, qk_norm=cfg.qk_norm,
+            )
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.ff = FeedForward(cfg.dim, cfg.ff_mult, cfg.dropout)
 
@@ -150,7 +160,8 @@ class PerformerLM(nn.Module):
 
     @property
     def feature_modules(self):
-        return [b.attn.features for b in self.blocks]
+        """Every layer's FavorFeatures (none for ``softmax``)."""
+        return [b.attn.features for b in self.blocks if hasattr(b.attn, "features")]
 
     @torch.no_grad()
     def redraw_features(self, generator: torch.Generator | None = None) -> None:

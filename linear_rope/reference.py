@@ -19,6 +19,7 @@ __all__ = [
     "relu_features_ref",
     "softmax_attention_ref",
     "layer_ref",
+    "softmax_layer_ref",
 ]
 
 
@@ -66,6 +67,10 @@ def layer_ref(layer, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
     H, D = layer.heads, layer.dim_head
     qkv = x @ layer.to_qkv.weight.t()
     q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1))
+    if getattr(layer, "qk_norm", None) is not None:  # unit norm times the head's scale
+        s = layer.qk_norm.scale.view(1, H, 1, 1)
+        q = q / q.pow(2).sum(-1, keepdim=True).sqrt() * s
+        k = k / k.pow(2).sum(-1, keepdim=True).sqrt() * s
     if layer.position == "rope_pre":
         q, k = apply_rotary_ref(q, offset=offset), apply_rotary_ref(k, offset=offset)
     kind = layer.features.kind
@@ -82,4 +87,19 @@ def layer_ref(layer, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
     else:
         out = naive_rotary_linear_attention(fq, fk, v, causal=layer.causal, rotary=rotary, offset=offset)
     out = out.transpose(1, 2).reshape(B, N, H * D)
+    return out @ layer.to_out.weight.t() + layer.to_out.bias
+
+
+def softmax_layer_ref(layer, x: torch.Tensor) -> torch.Tensor:
+    """``SoftmaxAttention`` forward (no mask), written out from the layer's weights:
+    RoPE on q and k through complex numbers, then ``softmax_attention_ref``."""
+    B, N, _ = x.shape
+    H, D = layer.heads, layer.dim_head
+    q, k, v = ((x @ layer.to_qkv.weight.t()).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4))
+    if layer.qk_norm is not None:
+        s = layer.qk_norm.scale.view(1, H, 1, 1)
+        q = q / q.pow(2).sum(-1, keepdim=True).sqrt() * s
+        k = k / k.pow(2).sum(-1, keepdim=True).sqrt() * s
+    q, k = apply_rotary_ref(q, base=layer.base), apply_rotary_ref(k, base=layer.base)
+    out = softmax_attention_ref(q, k, v, causal=True).transpose(1, 2).reshape(B, N, H * D)
     return out @ layer.to_out.weight.t() + layer.to_out.bias

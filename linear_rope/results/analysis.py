@@ -93,11 +93,11 @@ def row_sums(model: PerformerLM, ids: torch.Tensor) -> torch.Tensor:
     sums = []
     for block, x in zip(model.blocks, seen):
         attn = block.attn
+        if attn.position not in ("rope", "rope_norm"):  # softmax and plain linear rows sum to 1
+            sums.append(x.new_ones(attn.heads, x.shape[1], dtype=torch.float64))
+            continue
         q, k, _ = attn._qkv(x, None)
         ones = q.new_ones(q.shape[:-1] + (1,), dtype=torch.float64)
-        if attn.position not in ("rope", "rope_norm"):
-            sums.append(ones[0, ..., 0])
-            continue
         q, k, projection = attn._op_inputs(q.double(), k.double())
         s = rotary_linear_attention(q, k, ones, causal=attn.causal, rotary=True, base=attn.base,
                                     projection=None if projection is None else projection.double())

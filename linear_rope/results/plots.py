@@ -36,8 +36,8 @@ from . import analysis
 
 RUN = re.compile(r"^(?P<variant>[a-z_]+)-seed(?P<seed>\d+)$")
 COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_pre": "tab:green",
-          "rope_norm": "tab:purple"}
-ORDER = ("rope", "rope_pre", "rope_norm", "absolute", "none")
+          "rope_norm": "tab:purple", "softmax": "black"}
+ORDER = ("softmax", "rope", "rope_pre", "rope_norm", "absolute", "none")
 FACTORS = (1, 2, 4, 8)
 TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc", "train/skipped_steps")
 

@@ -1,0 +1,111 @@
+"""SoftmaxAttention: exact causal softmax attention with RoPE, the ablation's anchor.
+
+The same projections as ``RotaryLinearAttention`` (``to_qkv``, ``to_out``, optional ``QKNorm``),
+RoPE (Eq. 34) on q and k, then ``scaled_dot_product_attention``. It is the row every linear
+variant is read against: what linear attention gives up at the same width, depth and data.
+Memory and time are O(N^2) per layer; decoding keeps a key/value cache (O(N) per token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops.utils import check_mask
+from .qk_norm import QKNorm
+from .rotary import apply_rotary, check_offset, token_positions
+
+__all__ = ["SoftmaxAttention", "KVCache"]
+
+
+@dataclass
+class KVCache:
+    """Rotated keys and values seen so far, `[B, H, T, d]` each, and which are real `[B, T]`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    key_mask: torch.Tensor
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal multi-head softmax attention with RoPE, `[B, N, dim]` -> `[B, N, dim]`.
+
+    ``mask`` `[B, N]` (True = real token) works as in ``RotaryLinearAttention``: padded keys are
+    never attended to, padded rows output 0 before ``to_out``, and positions count real tokens.
+    """
+
+    def __init__(self, dim: int, *, heads: int = 8, dim_head: int = 64, dropout: float = 0.0,
+                 base: float = 10000.0, qk_norm: bool = False):
+        super().__init__()
+        for name, val in (("dim", dim), ("heads", heads), ("dim_head", dim_head)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if dim_head % 2:
+            raise ValueError(f"dim_head: RoPE rotates q and k, so it must be even, got {dim_head}")
+        self.heads, self.dim_head, self.base, self.causal = heads, dim_head, base, True
+        self.position = "softmax"  # as RotaryLinearAttention.position: the analyses read it
+        inner = heads * dim_head
+        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
+        self.to_out = nn.Linear(inner, dim)
+        self.dropout = nn.Dropout(dropout)
+        self.qk_norm = QKNorm(heads, dim_head) if qk_norm else None
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, dim_head={self.dim_head}, causal=True, position='rope'"
+
+    def _qkv(self, x: torch.Tensor):
+        B, N, _ = x.shape
+        q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q), self.qk_norm(k)
+        return q, k, v  # (B, H, N, d)
+
+    def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        B, H, N, d = out.shape
+        return self.dropout(self.to_out(out.transpose(1, 2).reshape(B, N, H * d).to(x.dtype)))
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, output_final_state: bool = False):
+        """x `[B, N, dim]` -> `[B, N, dim]` (with ``output_final_state``: ``(out, KVCache)``)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
+            raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {getattr(x, 'shape', x)!r}")
+        B, N = x.shape[:2]
+        q, k, v = self._qkv(x)
+        if mask is None:
+            q, k = apply_rotary(q, base=self.base), apply_rotary(k, base=self.base)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            key_mask = torch.ones(B, N, dtype=torch.bool, device=x.device)
+        else:
+            key_mask = check_mask(mask, "mask", (B, N))
+            pos = token_positions(0, N, key_mask)[:, None]  # (B, 1, N)
+            q, k = apply_rotary(q, base=self.base, positions=pos), apply_rotary(k, base=self.base, positions=pos)
+            causal = torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+            # A padded query may see no real key; its own key keeps its softmax finite, and its
+            # output is zeroed below.
+            allowed = (causal & key_mask[:, None, None, :]) | torch.eye(N, dtype=torch.bool, device=x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+            out = out * key_mask[:, None, :, None].to(out.dtype)
+        out = self._project_out(out, x)
+        return (out, KVCache(k, v, key_mask)) if output_final_state else out
+
+    def step(self, x_t: torch.Tensor, state: KVCache | None, position: int | torch.Tensor):
+        """Decode one token: x_t `[B, dim]` at ``position`` (an int or a LongTensor `[B]`) ->
+        (`[B, dim]`, the cache with this token appended)."""
+        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2:
+            raise ValueError(f"x_t must have shape [B, dim], got {list(getattr(x_t, 'shape', []))}")
+        if state is not None and not isinstance(state, KVCache):
+            raise ValueError(f"state must be a KVCache or None, got {type(state).__name__}")
+        B = x_t.shape[0]
+        position = check_offset(position, "position", rows=B)
+        q, k, v = self._qkv(x_t.unsqueeze(1))  # (B, H, 1, d)
+        pos = position.view(-1, 1, 1).to(x_t.device) if isinstance(position, torch.Tensor) else None
+        off = 0 if pos is not None else position
+        q = apply_rotary(q, offset=off, base=self.base, positions=pos)
+        k = apply_rotary(k, offset=off, base=self.base, positions=pos)
+        real = torch.ones(B, 1, dtype=torch.bool, device=x_t.device)
+        if state is not None:
+            k, v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
+            real = torch.cat([state.key_mask, real], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :])
+        return self._project_out(out, x_t).squeeze(1), KVCache(k, v, real)
