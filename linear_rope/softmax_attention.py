@@ -7,7 +7,7 @@ Memory and time are O(N^2) per layer; decoding keeps a key/value cache (O(N) per
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,7 @@ from .rotary import apply_rotary, check_offset, token_positions
 __all__ = ["SoftmaxAttention", "KVCache"]
 
 
-@dataclass
-class KVCache:
+class KVCache(NamedTuple):
     """Rotated keys and values seen so far, `[B, H, T, d]` each, and which are real `[B, T]`."""
 
     k: torch.Tensor

@@ -95,7 +95,7 @@ def run(only: str | None = None, shard: tuple[int, int] = (0, 1)) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--dtype", choices=sorted(_TL), help="compile one input dtype's kernels only")
     ap.add_argument("--shard", default="0/1", help="i/n: compile every n-th build from the i-th (parallel runs)")
