@@ -162,7 +162,9 @@ class RotaryLinearAttention(nn.Module):
             initial_state, output_final_state: continue from / return the recurrent state
                 (``LinearAttentionState``; per document with ``cu_seqlens``).
             context, context_mask: cross-attention to `[B, M, dim]` with `[B, M]` real tokens
-                (layers with ``position="none"``, ``causal=False`` only).
+                (layers with ``position="none"``, ``causal=False`` only). ``context_mask`` is the
+                only mask of the context (None: every context token is real); ``mask`` then masks
+                the queries only.
         """
         self._check(x, context, cu_seqlens, initial_state, output_final_state)
         q, k, v = self._qkv(x, context)
@@ -180,9 +182,13 @@ class RotaryLinearAttention(nn.Module):
             k = apply_rotary(k, offset=offset if pos is None else 0, base=self.base, positions=pos)
         q, k, projection = self._op_inputs(q, k)
         v = self._ones_column(v)
+        key_mask = None
+        if context is not None:  # context_mask alone masks the context keys; mask is the queries'
+            key_mask = context_mask if context_mask is not None else torch.ones(
+                context.shape[:2], dtype=torch.bool, device=context.device)
         res = rotary_linear_attention(
             q, k, v, causal=self.causal, rotary=self.position in ("rope", "rope_norm"), offset=offset, base=self.base,
-            projection=projection, mask=mask, key_mask=context_mask if context is not None else None,
+            projection=projection, mask=mask, key_mask=key_mask,
             cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
         )
         out, state = res if output_final_state else (res, None)

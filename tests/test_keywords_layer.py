@@ -192,3 +192,87 @@ def test_layer_misuse():
         layer.step(x[:, 0], st, torch.tensor([5]))
     with pytest.raises(ValueError, match="context"):
         make_layer("none", causal=False)(x, context=torch.randn(2, 4, DIM + 1, **F64))
+
+
+@pytest.mark.parametrize("M", [12, 7], ids=["same-length", "other-length"])
+def test_cross_attention_mask_never_masks_the_context(M):
+    """``mask`` masks the queries; the context is masked by ``context_mask`` alone (None: all
+    real), also when the context has x's length or another one."""
+    torch.manual_seed(0)
+    layer = RotaryLinearAttention(16, heads=2, dim_head=8, causal=False, position="none").double()
+    x, ctx = torch.randn(2, 12, 16, **F64), torch.randn(2, M, 16, **F64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, :4] = False
+    out = layer(x, mask=mask, context=ctx)
+    close(out, layer(x, mask=mask, context=ctx, context_mask=torch.ones(2, M, dtype=torch.bool)))
+    for b in range(2):  # each row's real queries against its whole context
+        real = mask[b]
+        close(out[b, real], layer(x[b : b + 1, real], context=ctx[b : b + 1])[0])
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_per_row_offsets_with_a_state(position):
+    """Per-row offsets and a state together: two chained calls equal one, and every row equals
+    the row alone at its int offset (an op that ignored per-row offsets would rotate the state
+    and the new tokens at different positions)."""
+    layer = make_layer(position)
+    x = torch.randn(3, 30, DIM, **F64, requires_grad=True)
+    off = torch.tensor([3, 900, 17])
+    one = layer(x, offset=off)
+    a, st = layer(x[:, :11], offset=off, output_final_state=True)
+    b = layer(x[:, 11:], offset=off + 11, initial_state=st)
+    two = torch.cat((a, b), dim=1)
+    close(two, one)
+    for r in range(3):
+        close(one[r : r + 1], layer_ref(layer, x[r : r + 1], offset=int(off[r])))
+    up = torch.randn(one.shape, generator=torch.Generator().manual_seed(3), **F64)
+    close(vjp(two, [x], up)[0], vjp(one, [x], up)[0], 1e-9)
+    # prefill then per-row steps from those offsets
+    st, outs = None, []
+    _, st = layer(x[:, :20], offset=off, output_final_state=True)
+    for t in range(20, 30):
+        o, st = layer.step(x[:, t], st, off + t)
+        outs.append(o)
+    close(torch.stack(outs, dim=1), one[:, 20:])
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_packed_documents_with_offsets_and_states(position):
+    """Packed documents, each with its own offset and initial state, continue exactly where
+    each document alone left off."""
+    layer = make_layer(position)
+    lengths = [9, 1, 14]
+    xs = [torch.randn(1, 6 + n, DIM, **F64) for n in lengths]  # 6 tokens before, then the packed part
+    offs = torch.tensor([2, 500, 40])
+    heads = []
+    for d, xd in enumerate(xs):  # each document's first 6 tokens alone: its state
+        _, st = layer(xd[:, :6], offset=int(offs[d]), output_final_state=True)
+        heads.append(st)
+    state = type(heads[0])(torch.cat([s.S for s in heads]), torch.cat([s.z for s in heads]))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    packed = torch.cat([xd[:, 6:] for xd in xs], dim=1)
+    out = layer(packed, cu_seqlens=cu, offset=offs + 6, initial_state=state)
+    for d, xd in enumerate(xs):
+        close(out[:, cu[d] : cu[d + 1]], layer(xd, offset=int(offs[d]))[:, 6:])
+
+
+@pytest.mark.parametrize("causal", MODES)
+@pytest.mark.parametrize("position", POSITIONS)
+def test_empty_batch_gives_empty_output_and_gradients(position, causal):
+    layer = make_layer(position, causal)
+    x = torch.randn(0, 7, DIM, **F64, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (0, 7, DIM)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is not None and (p.grad == 0).all()
+                                           for p in layer.to_qkv.parameters())
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_trace_of_a_causal_layer_is_refused_bidirectional_traces():
+    x = torch.randn(2, 5, DIM, **F64)
+    with pytest.raises(RuntimeError, match="jit.trace cannot record the causal path.*use torch.compile"):
+        torch.jit.trace(make_layer("rope"), x)
+    bidir = make_layer("rope", causal=False)
+    traced = torch.jit.trace(bidir, x, check_trace=False)
+    close(traced(x), bidir(x), 1e-6)  # the trace records d ** -0.25 of a traced shape in float32

@@ -271,3 +271,144 @@ def test_double_backward_is_a_one_line_error():
     with pytest.raises(RuntimeError, match="double backward") as err:
         torch.autograd.grad(out.sum(), q, create_graph=True)
     assert "\n" not in str(err.value).strip()
+
+
+# --- cross-attention masks, feature scale, empty batches, compile and trace ---------------------
+
+@pytest.mark.parametrize("path", [fast, naive], ids=["fast", "naive"])
+@pytest.mark.parametrize("Nk", [12, 19], ids=["same-length", "other-length"])
+def test_cross_attention_key_mask_is_never_the_query_mask(path, Nk):
+    """With key_mask, the query mask masks queries only (the keys are masked by key_mask alone);
+    k of another length with a query mask and no key_mask sees every key."""
+    q, k, v, _ = (None if t is None else t.detach() for t in make(2, 12, False, seed=4, Nk=Nk))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, :4] = False
+    kw = dict(causal=False, rotary=False)
+    all_keys = torch.ones(2, Nk, dtype=torch.bool)
+    out = path(q, k, v, mask=mask, key_mask=all_keys, **kw)
+    want = naive(q, k, v, key_mask=all_keys, **kw) * mask[:, None, :, None]  # every key, queries masked
+    close(out, want)
+    assert (out[0, :, 4:] != 0).all()
+    if Nk != 12:  # another length: cross-attention without key_mask is every key as well
+        close(path(q, k, v, mask=mask, **kw), want)
+
+
+def _scaled(q, k, v, s, dtype):
+    """q, k scaled by s in ``dtype`` (v too), and the same values in float64 for the reference."""
+    qs, ks, vs = (q * s).to(dtype), (k * s).to(dtype), v.to(dtype)
+    return (qs, ks, vs), tuple(t.double() for t in (qs, ks, vs))
+
+
+SCALES = [pytest.param(s, id=f"{s:g}") for s in (1e-35, 1e-25, 1.0, 1e19, 1e35)]
+LOW = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 2e-2, id="bf16")]
+
+
+@pytest.mark.parametrize("dtype, tol", LOW)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("causal", MODES)
+def test_output_is_scale_invariant_over_the_float32_range(causal, scale, dtype, tol):
+    """Eq. 19 does not change when phi(q) or phi(k) is scaled: neither does the op, at any
+    scale of float32 (and bf16), against the float64 reference of the same rounded inputs."""
+    q, k, v, _ = (None if t is None else t.detach() for t in make(2, 50, False, seed=12))
+    low, ref_in = _scaled(q, k, v, scale, dtype)
+    ref = naive(*ref_in, causal=causal)
+    out = fast(*low, causal=causal, chunk_size=16, block_size=32)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    qs, ks, vs = (t.detach().requires_grad_() for t in low)
+    qd, kd, vd = (t.detach().requires_grad_() for t in ref_in)
+    up = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3), **F64)
+    got = vjp(fast(qs, ks, vs, causal=causal, chunk_size=16, block_size=32), (qs, ks, vs), up.to(dtype))
+    want = vjp(naive(qd, kd, vd, causal=causal), (qd, kd, vd), up)
+    for g, w in zip(got, want):  # gradients scale as 1/s: compare relative to the largest
+        assert torch.isfinite(g).all()
+        err = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert err < 5 * tol, err
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_scaled_state_chains_and_decodes(scale):
+    """Prefill with a state, a chained call and token steps, all at the same extreme scale, give
+    the float64 reference's answer: the state returned is in the caller's scale."""
+    q, k, v, _ = (None if t is None else t.detach() for t in make(2, 40, False, seed=13))
+    low, ref_in = _scaled(q, k, v, scale, torch.float32)
+    ref = naive(*ref_in, offset=torch.tensor([3, 900]))
+    a, st = fast(*(t[:, :, :20] for t in low), offset=torch.tensor([3, 900]), output_final_state=True)
+    b, st = fast(*(t[:, :, 20:30] for t in low), offset=torch.tensor([23, 920]), initial_state=st,
+                 output_final_state=True)
+    outs = [a, b]
+    for t in range(30, 40):
+        o, st = step(*(x[:, :, t] for x in low), st, torch.tensor([3 + t, 900 + t]))
+        outs.append(o[:, :, None])
+    got = torch.cat(outs, dim=2).double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    _, st_ref = naive(*ref_in, offset=torch.tensor([3, 900]), output_final_state=True)
+    torch.testing.assert_close(st.z.double(), st_ref.z, rtol=1e-5, atol=0)
+
+
+def test_a_final_state_that_overflows_is_refused():
+    q, k, v, _ = (None if t is None else t.detach().float() for t in make(1, 40, False))
+    k = k / k.max() * 3e38  # each key fits float32, their sum does not
+    out = fast(q, k, v)  # the output alone is fine
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="final state's key sum z is not finite"):
+        fast(q, k, v, output_final_state=True)
+
+
+EMPTY = {"B0": (0, H, 5, M, E), "H0": (2, 0, 5, M, E), "e0": (2, H, 5, M, 0)}
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "state"])
+@pytest.mark.parametrize("favor", INPUTS)
+@pytest.mark.parametrize("causal", MODES)
+@pytest.mark.parametrize("shape", list(EMPTY))
+def test_empty_batches_give_empty_results_and_gradients(shape, causal, favor, with_state):
+    B, h, N, m, e = EMPTY[shape]
+    g = torch.Generator().manual_seed(0)
+    x = D if favor else m
+    q, k = (torch.rand(B, h, N, x, generator=g, **F64).requires_grad_() for _ in range(2))
+    v = torch.randn(B, h, N, e, generator=g, **F64).requires_grad_()
+    torch.manual_seed(0)
+    w = FavorFeatures(D, M).projection.double() if favor else None
+    kw = dict(causal=causal, projection=w, output_final_state=True)
+    leaves = [q, k, v]
+    if with_state:
+        S0 = torch.randn(B, h, M, e, generator=g, **F64).requires_grad_()
+        z0 = (torch.rand(B, h, M, generator=g, **F64) + 0.5).requires_grad_()
+        kw["initial_state"] = LinearAttentionState(S0, z0)
+        leaves += [S0, z0]
+    out, (S, z) = fast(q, k, v, **kw)
+    ref, (Sr, zr) = naive(q, k, v, **kw)
+    assert out.shape == (B, h, N, e) and S.shape == (B, h, M, e) and z.shape == (B, h, M)
+    close(out, ref), close(S, Sr), close(z, zr)  # e = 0: z is still every key's sum
+    ups = [torch.randn(t.shape, generator=g, **F64) for t in (out, S, z)]
+    for a, b, leaf in zip(vjp((out, S, z), leaves, ups), vjp((ref, Sr, zr), leaves, ups), leaves):
+        assert a.shape == leaf.shape
+        close(a, b, 1e-9)
+
+
+def test_empty_batch_step():
+    q, k, v = (torch.rand(0, H, n, **F64) for n in (M, M, E))
+    out, st = step(q, k, v, None, 3)
+    assert out.shape == (0, H, E) and st.S.shape == (0, H, M, E)
+
+
+def test_negative_features_are_refused_under_compile():
+    """Under torch.compile the sign check runs in the graph (torch._assert_async): compiled code
+    refuses what eager refuses, with the same message, as a RuntimeError when the graph runs.
+    (aot_eager traces what Inductor gets, without its C++ build.)"""
+    q, k, v, _ = _small()
+    compiled = torch.compile(lambda a, b, c: fast(a, b, c, causal=False), backend="aot_eager", fullgraph=True)
+    close(compiled(q, k, v), fast(q, k, v, causal=False))
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="k: features must be non-negative"):
+        compiled(q, k - 1.0, v)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_trace_causal_is_refused_bidirectional_traces():
+    q, k, v, _ = _small()
+    with pytest.raises(RuntimeError, match="jit.trace cannot record the causal path.*use torch.compile"):
+        torch.jit.trace(lambda a, b, c: fast(a, b, c), (q, k, v))
+    traced = torch.jit.trace(lambda a, b, c: fast(a, b, c, causal=False), (q, k, v), check_trace=False)
+    close(traced(q, k, v), fast(q, k, v, causal=False))

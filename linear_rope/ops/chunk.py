@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..features import favor_features, pair_shift
 from ..rotary import packed_positions, rotary_tables, rotate_with_tables, table_dtype, token_positions
 from .chunk_blocks import _ChunkCausal, use_compile
-from .utils import LinearAttentionState, check_args
+from .utils import LinearAttentionState, check_args, check_final_state, normalise_scale
 
 __all__ = ["rotary_linear_attention", "CHUNK", "BLOCK", "use_compile"]
 
@@ -65,14 +65,18 @@ def _pack(docs, C, device):
 
 
 @torch.compiler.disable
-def _causal(q, k, v, w, km, rot, state, C, T, docs=None):
-    """q, k `[B, H, N, x]`, v `[B, H, N, e]` in the compute dtype; km `[B, N]` or None; rot complex
-    `[N, m/2]` or `[B, N, m/2]` or None; ``docs`` [start, end) of packed documents (B = 1).
-    Returns out `[B, H, N, e]`, S, z (`[B or D, H, m, e]`, `[B or D, H, m]`).
+def _causal(q, k, v, w, km, tables, state, C, T, docs=None):
+    """q, k `[B, H, N, x]`, v `[B, H, N, e]` in the compute dtype; km `[B, N]` or None; tables
+    (cos, sin) `[N, m/2]` or `[B, N, m/2]` or None; ``docs`` [start, end) of packed documents
+    (B = 1). Returns out `[B, H, N, e]`, S, z (`[B or D, H, m, e]`, `[B or D, H, m]`).
 
     Under ``torch.compile`` of a model this runs eagerly (a graph break; the rest of the model
     compiles): its block loop and complex RoPE tables gain nothing from Inductor on CPU, and
-    Inductor failed on its dynamic shapes (``mul expected 2 arguments, got 3``, torch 2.13)."""
+    Inductor failed on its dynamic shapes (``mul expected 2 arguments, got 3``, torch 2.13).
+    The complex table is built in here, so Inductor is never handed a complex tensor."""
+    rot = None if tables is None else torch.complex(*tables)
+    if rot is not None and rot.dim() == 3 and rot.shape[0] == 1:  # one row: one shared table
+        rot = rot[0]
     B, H, N, e = v.shape
     m = q.shape[-1] if w is None else w.shape[0]
     C = min(C, N)
@@ -149,11 +153,8 @@ def _one(q, k, v, *, causal, rotary, base, w, positions, offset, qmask, kmask, s
         if tables is not None and tables[0].dim() == 3:  # per row: broadcast over heads
             tables = (tables[0][:, None], tables[1][:, None])
         return _bidirectional(q, k, v, w, qmask, kmask, tables, state)
-    rot = None if tables is None else torch.complex(*tables)
-    if rot is not None and rot.dim() == 3 and rot.shape[0] == 1:  # one row: one shared table
-        rot = rot[0]
     km = None if kmask is None else kmask.to(cdt)
-    return _causal(q, k, v, w, km, rot, state, C, T, docs)
+    return _causal(q, k, v, w, km, tables, state, C, T, docs)
 
 
 def rotary_linear_attention(
@@ -192,19 +193,29 @@ def rotary_linear_attention(
             number of real tokens before it, so a padded row (left or right) gives what the row
             gives alone.
         key_mask: `[B, M]` bool, for cross-attention: k, v of length M (any M) from another
-            sequence; needs ``causal=False, rotary=False``. ``mask`` then masks the queries.
+            sequence; needs ``causal=False, rotary=False``. In cross-attention (``key_mask``
+            given, or M != N) ``key_mask`` alone masks the keys (None: all real) and ``mask``
+            the queries only; k of q's length without ``key_mask`` is self-attention, where
+            ``mask`` masks both.
         cu_seqlens: int32 `[D+1]` cumulative lengths of D documents packed in one row
             (B = 1): each gets what it gets alone (positions and state restart).
         initial_state: ``LinearAttentionState`` of the tokens before these (`[B, ...]`, or
             `[D, ...]` with ``cu_seqlens``), e.g. from ``output_final_state``.
         output_final_state: also return the state after the last token.
         allow_negative: skip the check that feature inputs are >= 0 (without ``projection``).
+            The check holds in eager (ValueError) and under ``torch.compile`` (the same message
+            from ``torch._assert_async``, a RuntimeError when the graph runs).
         chunk_size, block_size: the chunk of the masked products and the block walked at once
             (memory is O(block_size * m) plus O(N / block_size * m * e)); any values work.
 
     Returns:
         `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``.
-        Double backward is not supported (one-line RuntimeError).
+        Double backward is not supported (one-line RuntimeError); nor is ``torch.jit.trace`` of
+        the causal path (use ``torch.compile``). B = 0, H = 0 or e = 0 give empty results.
+
+    Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
+    with its state, and so is this op for finite features anywhere in the float32 range (see
+    ``utils.normalise_scale``); a final state whose key sum overflows is a ValueError.
     """
     a = check_args(q, k, v, causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
@@ -212,10 +223,23 @@ def rotary_linear_attention(
     for name, val in (("chunk_size", chunk_size), ("block_size", block_size)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if causal and torch.jit.is_tracing():
+        raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (an autograd "
+                           "Function that walks blocks in Python); use torch.compile instead")
     out_dtype = v.dtype
     cdt = table_dtype(q.dtype)
+    B, H, N, e = q.shape[:3] + v.shape[-1:]
+    if B * H == 0:
+        return _empty(q, k, v, a, cdt, output_final_state)
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        state, sk = a.state, None
+        if projection is None:  # FAVOR+ features inside are stabilised already
+            q, k, state, sk = normalise_scale(q, k, a.kmask, state)
+        if e == 0:  # no value columns: one zero column keeps every path's shapes, z stays right
+            v = F.pad(v, (0, 1))
+            state = None if state is None else LinearAttentionState(F.pad(state.S, (0, 1)), state.z)
+        a = a._replace(state=state)
         w = None if projection is None else projection.detach().to(cdt)
         kw = dict(causal=causal, rotary=rotary, base=base, w=w, C=chunk_size, T=block_size)
         if a.docs is not None and causal:  # packed documents in one call
@@ -236,5 +260,23 @@ def rotary_linear_attention(
                                qmask=dmask, kmask=dmask, state=st, **kw)
                 outs.append(o), Ss.append(S), zs.append(z)
             out, S, z = torch.cat(outs, dim=2), torch.cat(Ss), torch.cat(zs)
-    out = out.to(out_dtype)
-    return (out, LinearAttentionState(S, z)) if output_final_state else out
+    out = out[..., :e].to(out_dtype)
+    if not output_final_state:
+        return out
+    S = S[..., :e]
+    return out, (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))
+
+
+def _empty(q, k, v, a, cdt, output_final_state):
+    """B = 0 or H = 0: empty outputs of the right shapes, as ``nn.Linear`` gives, still connected
+    to q, k, v (and the state), so that their gradients come back empty too."""
+    B, H, N, e = q.shape[:3] + v.shape[-1:]
+    link = (q.sum() + k.sum() + v.sum()).to(cdt)  # 0: every input is empty
+    out = v.new_zeros(B, H, N, e) + link.to(v.dtype)
+    if not output_final_state:
+        return out
+    if a.state is not None:
+        return out, LinearAttentionState(a.state.S.to(cdt) + link, a.state.z.to(cdt) + link)
+    rows = B if a.docs is None else len(a.docs)
+    return out, LinearAttentionState(v.new_zeros(rows, H, a.m, e, dtype=cdt) + link,
+                                     v.new_zeros(rows, H, a.m, dtype=cdt) + link)

@@ -103,7 +103,7 @@ def naive_rotary_linear_attention(
     if not output_final_state:
         return out
     rows = q.shape[0] if a.docs is None else len(a.docs)
-    own = torch.nn.functional.one_hot(seg_k, rows).to(rk.dtype) * kmask[..., None]  # (B, M, rows)
+    own = (seg_k[..., None] == torch.arange(rows, device=q.device)).to(rk.dtype) * kmask[..., None]  # (B, M, rows)
     S = torch.einsum("bnr,bhnm,bhne->rhme", own, rk, v.to(rk.dtype))  # every real key, into its state
     z = torch.einsum("bnr,bhnm->rhm", own, fk)
     if a.state is not None:

@@ -10,7 +10,7 @@ import torch
 
 from ..features import favor_features
 from ..rotary import check_offset, rotary_tables, rotate_with_tables, table_dtype
-from .utils import LinearAttentionState, check_args
+from .utils import LinearAttentionState, check_args, check_final_state, normalise_scale
 
 __all__ = ["rotary_linear_attention_step"]
 
@@ -52,11 +52,15 @@ def rotary_linear_attention_step(
                    initial_state=state, allow_negative=allow_negative)
     out_dtype = v_t.dtype
     cdt = table_dtype(q_t.dtype)
+    state, sk = a.state, None
     with torch.autocast(q_t.device.type, enabled=False):
         q_t, k_t, v_t = q_t.to(cdt), k_t.to(cdt), v_t.to(cdt)
         if projection is not None:
             q_t = favor_features(q_t, projection, is_query=True)
             k_t = favor_features(k_t, projection, is_query=False)
+        elif q_t.numel() and k_t.numel():  # as the chunked path: the same output at any feature scale
+            qs, ks, state, sk = normalise_scale(q_t.unsqueeze(2), k_t.unsqueeze(2), None, state)
+            q_t, k_t = qs.squeeze(2), ks.squeeze(2)
         if rotary:
             pos = position.view(B, 1, 1) if isinstance(position, torch.Tensor) else None
             cos, sin = rotary_tables(1, a.m, offset=0 if pos is not None else position, base=base, dtype=cdt,
@@ -66,9 +70,9 @@ def rotary_linear_attention_step(
             rq, rk = q_t, k_t
         S = rk.unsqueeze(-1) * v_t.unsqueeze(-2)  # (B, H, m, e)
         z = k_t
-        if a.state is not None:
-            S, z = a.state.S.to(cdt) + S, a.state.z.to(cdt) + z
+        if state is not None:
+            S, z = state.S.to(cdt) + S, state.z.to(cdt) + z
         num = (rq.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, e)
         den = (q_t * z).sum(-1)  # (B, H)
         out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
-    return out.to(out_dtype), LinearAttentionState(S, z)
+    return out.to(out_dtype), (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))

@@ -12,7 +12,8 @@ import torch
 
 from ..rotary import check_offset, token_positions
 
-__all__ = ["LinearAttentionState", "Args", "check_args", "check_state", "check_mask", "check_cu_seqlens"]
+__all__ = ["LinearAttentionState", "Args", "check_args", "check_state", "check_mask", "check_cu_seqlens",
+           "normalise_scale", "check_final_state"]
 
 
 class LinearAttentionState(NamedTuple):
@@ -44,6 +45,72 @@ class Args(NamedTuple):
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+def _check_non_negative(name: str, t: torch.Tensor) -> None:
+    """Features must be >= 0 (Eq. 19's unrotated denominator can reach 0 or below otherwise).
+
+    Eager: a ValueError naming the minimum. Under ``torch.compile`` the same message from
+    ``torch._assert_async`` (a RuntimeError when the compiled graph runs): reading the minimum
+    into Python would break the graph, and skipping the check would let compiled code return
+    what eager refuses.
+    """
+    if t.numel() == 0:
+        return
+    msg = (f"{name}: features must be non-negative; Eq. 19's unrotated denominator can reach 0 or below "
+           "otherwise. Pass allow_negative=True to opt out")
+    if _is_compiling():
+        torch._assert_async(t.detach().min() >= 0, msg)
+        return
+    low = float(t.detach().min())
+    if low < 0:
+        raise ValueError(msg.replace("non-negative;", f"non-negative (min {low:.3g});"))
+
+
+def normalise_scale(q, k, kmask, state):
+    """Eq. 19 is unchanged when phi(q_t) is scaled per query, and when every phi(k_n) of a row
+    and that row's state (S0, z0) are scaled together. Where a query's largest feature, or the
+    largest key feature or z0 entry of a row, lies outside [2^-32, 2^32], the fast paths divide
+    by the power of two at or below it (exact divisions): float32 products and sums then stay
+    far from underflow (features of 1e-25 have products of 1e-50) and overflow (1e19: sums
+    past 3e38), so the output is the same for finite features anywhere in the float32 range.
+    Inside that range nothing is touched (the scale is 1): the one result that is not
+    scale-invariant, a query whose denominator is exactly 0 (output = numerator, as in
+    ``naive``), is then the reference's too.
+
+    q, k `[B, H, N or M, m]` features, kmask `[B, M]` or None, state per row or document (packed
+    documents: B = 1). Returns q, k, state scaled, and the key scale `[B, H, 1, 1]` to multiply
+    the final state by (it is in the caller's scale again).
+    """
+
+    def pow2(x):  # the power of two at or below x outside [2^-32, 2^32]; 1 inside, and at 0
+        far = (x > 0) & ((x < 2.0**-32) | (x > 2.0**32))
+        return torch.where(far, torch.exp2(torch.floor(torch.log2(x))), torch.ones_like(x))
+
+    sq = pow2(q.detach().abs().amax(-1, keepdim=True))  # (B, H, N, 1)
+    ka = k.detach().abs()
+    if kmask is not None:  # padding's garbage does not set the scale of the real keys
+        ka = torch.where(kmask[:, None, :, None], ka, torch.zeros_like(ka))
+    sk = ka.amax(dim=(-2, -1), keepdim=True)  # (B, H, 1, 1)
+    if state is not None:
+        zmax = state.z.detach().abs().to(sk.dtype).amax(-1)  # (rows, H)
+        zmax = zmax.amax(0, keepdim=True) if zmax.shape[0] != sk.shape[0] else zmax  # packed: B = 1
+        sk = torch.maximum(sk, zmax[..., None, None])
+    sk = pow2(sk)
+    if state is not None:
+        state = LinearAttentionState(state.S / sk.to(state.S.dtype), state.z / sk[..., 0].to(state.z.dtype))
+    return q / sq, k / sk, state, sk
+
+
+def check_final_state(S: torch.Tensor, z: torch.Tensor, sk: torch.Tensor) -> LinearAttentionState:
+    """The final state back in the caller's scale; a clear error where the key sums overflow it."""
+    S, z = S * sk, z * sk[..., 0]
+    if not _is_compiling() and z.numel() and not bool(torch.isfinite(z).all()):
+        raise ValueError(
+            f"k: the final state's key sum z is not finite in {z.dtype} (features near the top of its range, "
+            "or not finite): the output is scale invariant, the state is not; scale phi(k) down to chain calls"
+        )
+    return LinearAttentionState(S, z)
 
 
 def check_mask(mask, name: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -104,6 +171,8 @@ def check_args(
         raise ValueError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if N == 0 or M == 0:
         raise ValueError("q: the sequence is empty (N = 0)")
+    if x == 0:
+        raise ValueError("q, k: the last dim (features, or d with projection) is 0")
     cross = key_mask is not None or M != N
     if cross and (causal or rotary):
         raise ValueError(
@@ -117,14 +186,9 @@ def check_args(
         m = projection.shape[0]
     else:
         m = x
-        if not allow_negative and not _is_compiling():
+        if not allow_negative:
             for name, t in (("q", q), ("k", k)):
-                low = float(t.detach().min())
-                if low < 0:
-                    raise ValueError(
-                        f"{name}: features must be non-negative (min {low:.3g}); Eq. 19's unrotated "
-                        "denominator can reach 0 or below otherwise. Pass allow_negative=True to opt out"
-                    )
+                _check_non_negative(name, t)
     if rotary and m % 2:
         raise ValueError(f"{'projection' if projection is not None else 'q'}: rotary needs an even "
                          f"number of features m, got m={m}")
@@ -134,7 +198,7 @@ def check_args(
     rows = B if docs is None else len(docs)
     offset = check_offset(offset, rows=rows)
     qmask = None if mask is None else check_mask(mask, "mask", (B, N))
-    kmask = qmask
+    kmask = None if cross else qmask  # cross-attention: key_mask alone masks the keys
     if key_mask is not None:
         if docs is not None:
             raise ValueError("key_mask: cross-attention over packed documents is not supported")
