@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from ..features import favor_features
-from ..rotary import packed_positions, token_positions
 from .utils import LinearAttentionState, check_args
 
 __all__ = ["naive_rotary_linear_attention", "eq19_weights", "rotate_naive"]
@@ -45,11 +44,12 @@ def _layout(q, k, a):
     if a.docs is None:
         seg_q = torch.arange(B, device=q.device)[:, None].expand(B, N)
         seg_k = torch.arange(B, device=q.device)[:, None].expand(B, M)
-        pos = token_positions(a.offset, N, a.qmask, device=q.device)
-        pos = torch.arange(N, device=q.device)[None].expand(B, N) + a.offset if pos is None else pos
-        return pos, seg_q, seg_k, qmask, kmask
-    seg = torch.cat([torch.full((1, e - s), d, device=q.device) for d, (s, e) in enumerate(a.docs)], dim=1)
-    return packed_positions(a.docs, a.offset, a.qmask, device=q.device), seg, seg, qmask, kmask
+    else:
+        seg_q = seg_k = torch.cat([torch.full((1, e - s), d, device=q.device) for d, (s, e) in enumerate(a.docs)], dim=1)
+    pos = a.positions  # (resolved once by check_args; None: offset .. offset+N-1, or no rotary)
+    if pos is None:
+        pos = torch.arange(N, device=q.device)[None].expand(B, N) + (a.offset if isinstance(a.offset, int) else 0)
+    return pos, seg_q, seg_k, qmask, kmask
 
 
 def _weights(q, k, *, causal, rotary, base, projection, a):

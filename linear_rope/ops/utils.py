@@ -34,7 +34,7 @@ class LinearAttentionState(NamedTuple):
 class Args(NamedTuple):
     """The checked arguments, in the form the paths consume."""
 
-    positions: torch.Tensor | None  # (B, N) long; None: offset .. offset+N-1 for every row
+    positions: torch.Tensor | None  # (B, N) long with rotary; None: offset .. offset+N-1 for every row
     offset: int | torch.Tensor  # int, or (B,) / (D,) long per row or document
     qmask: torch.Tensor | None  # (B, N) bool: outputs at False are 0
     kmask: torch.Tensor | None  # (B, M) bool: keys at False add nothing
@@ -205,6 +205,6 @@ def check_args(
         kmask = check_mask(key_mask, "key_mask", (B, M))
     state = check_state(initial_state, rows, H, m, v.shape[-1])
     positions = None
-    if docs is None and rotary:
-        positions = token_positions(offset, N, qmask, device=q.device)
+    if rotary:  # the positions every path uses, packed documents included
+        positions = token_positions(offset, N, qmask, device=q.device, docs=docs)
     return Args(positions, offset, qmask, kmask, docs, m, state)
