@@ -66,7 +66,7 @@ def chunk_causal(
                                                 (S0.reshape(D, B * H, m, e), z0.reshape(D, B * H, m)), bufs)
     cos, sin = lay.cos_sin if lay.cos_sin is not None else (_empty(v), _empty(v))
     kept = [bufs[n] if n in bufs else _empty(v) for n in KEPT]
-    return [unflat(out, lay, (B, H, N)), S.view_as(S0), z.view_as(z0), den, bS, bz, cos, sin, *kept]
+    return [unflat(out, lay, (B, H, N)), S.view(S0.shape), z.view(z0.shape), den, bS, bz, cos, sin, *kept]
 
 
 @chunk_causal.register_fake
@@ -80,14 +80,14 @@ def _(q, k, v, state, aux, cfg, base):
     Np = padded_length(c, N)
     nb = -(-Np // T)
     if not c.rotary:
-        tables = [_empty(v)] * 2
+        tables = [_empty(v), _empty(v)]
     elif positions is not None and B > 1:
         tables = [v.new_empty(B, Np, m // 2) for _ in range(2)]
     else:
         tables = [v.new_empty(Np, m // 2) for _ in range(2)]
     plan = chunk_fwd.keep_plan((Np // C, B * H, C, m, e), w is not None, c.rotary, v, sizes_only=True)
     kept = [v.new_empty(plan[n]) if n in plan else _empty(v) for n in KEPT]
-    return [v.new_empty(B, H, N, e), torch.empty_like(S0), torch.empty_like(z0), v.new_empty(Np // C, B * H, C),
+    return [v.new_empty(B, H, N, e), S0.new_empty(S0.shape), z0.new_empty(z0.shape), v.new_empty(Np // C, B * H, C),
             v.new_empty(nb, B * H, m, e), v.new_empty(nb, B * H, m), *tables, *kept]
 
 
@@ -117,12 +117,12 @@ def chunk_causal_backward(
         walk, (fl(q), fl(k), fl(v), fl(out), den, bS, bz), fl(g), (gS.reshape(D, B * H, m, e), gz.reshape(D, B * H, m)),
         (S0.reshape(D, B * H, m, e), z0.reshape(D, B * H, m)), bufs)
     shape = (B, H, N)
-    return [unflat(dq, lay, shape), unflat(dk, lay, shape), unflat(dv, lay, shape), dS0.view_as(S0), dz0.view_as(z0)]
+    return [unflat(dq, lay, shape), unflat(dk, lay, shape), unflat(dv, lay, shape), dS0.view(S0.shape), dz0.view(z0.shape)]
 
 
 @chunk_causal_backward.register_fake
 def _(grads, inputs, saved, aux, cfg, base):
-    return [torch.empty_like(t) for t in inputs[:5]]
+    return [t.new_empty(t.shape) for t in inputs[:5]]
 
 
 def _setup_context(ctx, inputs, output):

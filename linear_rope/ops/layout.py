@@ -130,7 +130,8 @@ def flat(t, lay: ChunkLayout):
 
 
 def unflat(out, lay: ChunkLayout, shape):
-    """`[B*H, Np, e]` -> `[B, H, N, e]`: the inverse of ``flat`` on the real tokens."""
+    """`[B*H, Np, e]` -> `[B, H, N, e]`, contiguous (as the fake implementation says): the
+    inverse of ``flat`` on the real tokens."""
     B, H, N = shape
     out = out.view(B, H, lay.Np, -1)
-    return out[:, :, :N] if lay.dst is None else out.index_select(2, lay.dst)
+    return out[:, :, :N].contiguous() if lay.dst is None else out.index_select(2, lay.dst)
