@@ -99,7 +99,7 @@ def train_step_share(preset: str, batch: int) -> dict:
     with profile() as p:
         step()
     tot = {e.key: e.cpu_time_total for e in p.key_averages()}
-    attn = (tot.get("_ChunkCausal", 0.0) + tot.get("_ChunkCausalBackward", 0.0)) / 1e3
+    attn = (tot.get("linear_rope::chunk_causal", 0.0) + tot.get("linear_rope::chunk_causal_backward", 0.0)) / 1e3
     whole = sum(e.self_cpu_time_total for e in p.key_averages()) / 1e3
     share = attn / whole if whole else None
     return {"step_s_unprofiled": step_s, "profiled_ms": whole, "attention_ms": attn, "attention_share": share,
