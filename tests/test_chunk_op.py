@@ -89,7 +89,8 @@ def test_compiled_equals_eager_and_lengths_do_not_recompile(which):
     assert cnt.frame_count <= 2
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="Inductor on CPU needs a C++ compiler")
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
 def test_inductor_equals_eager():
     """The real backend: Inductor compiles the rest of the layer around the op (float32, 1e-5)."""
     torch.manual_seed(0)
@@ -134,7 +135,8 @@ def _keyword_inputs(case, fused, N, seed=0):
     return leaves, kw
 
 
-@pytest.mark.parametrize("path", [rotary_linear_attention, recurrent_rotary_linear_attention], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("path", [rotary_linear_attention, recurrent_rotary_linear_attention],
+                         ids=["chunk", "recurrent"])
 @pytest.mark.parametrize("case", ["plain", "mask", "cu", "state"])
 @pytest.mark.parametrize("fused", [True, False], ids=["projection", "features"])
 @pytest.mark.parametrize("N", [pytest.param(n, id=f"N{n}") for n in (5, 33)])

@@ -41,7 +41,7 @@ from ..features import favor_features
 from ..rotary import rotary_tables, rotate_with_tables, table_dtype
 from .chunk_op import chunk_causal
 from .layout import OpConfig
-from .utils import LinearAttentionState, check_args, check_final_state, normalise_scale
+from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
 __all__ = ["rotary_linear_attention", "CHUNK", "BLOCK"]
 
@@ -159,9 +159,9 @@ def rotary_linear_attention(
     with its state, and so is this op for finite features anywhere in the float32 range (see
     ``utils.normalise_scale``); a final state whose key sum overflows is a ValueError.
     """
-    a = check_args(q, k, v, causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
+    a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative)
+                   allow_negative=allow_negative))
     for name, val in (("chunk_size", chunk_size), ("block_size", block_size)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")

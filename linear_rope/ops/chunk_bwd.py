@@ -30,7 +30,7 @@ def suffix_(buf, resets=None):
     return starts
 
 
-def _states(walk, phk, vals, state0, kept_S, resets):
+def _states(phk, vals, state0, kept_S, resets):
     """The state before each chunk `[nc+1, BH, m, x]`: kept by the forward, or again."""
     if kept_S is not None:
         return kept_S
@@ -88,7 +88,8 @@ def block_backward(walk, blk, grads, state0, sums, kept, resets):
         va[..., e] = 1.0
         dna = torch.cat((dnum, dden.unsqueeze(-1)), -1)  # (nc, BH, C, e+1)
         cat = lambda a, b: torch.cat((a, b.unsqueeze(-1)), -1)  # noqa: E731
-        Sb = _states(walk, phk, va, cat(*state0), kept.get("S"), resets and {c: cat(*s0) for c, (s0, _) in resets.items()})
+        s0s = resets and {c: cat(*s0) for c, (s0, _) in resets.items()}
+        Sb = _states(phk, va, cat(*state0), kept.get("S"), s0s)
         Gb, starts = _suffix_sums(phq, dna, cat(*sums), resets and {c: cat(*gs) for c, (_, gs) in resets.items()})
         starts = {c: (x[..., :e], x[..., e]) for c, x in starts.items()}
         dphq, dphk, A = _numerator(phq, phk, va, dna, Sb[:nc], Gb[1:], bmm_batch(kept["A"]) if "A" in kept else None)
@@ -112,7 +113,7 @@ def block_backward(walk, blk, grads, state0, sums, kept, resets):
         dfk = torch.bmm(Md.transpose(1, 2), bmm_batch(phq)).add_(Zb[1:].reshape(-1, 1, m))
         # numerator: chunked linear attention on the rotated features
         rq, rk = rotate(phq, rot), rotate(phk, rot)
-        Sb = _states(walk, rk, vc, state0[0], kept.get("S"), resets and {c: s0[0] for c, (s0, _) in resets.items()})
+        Sb = _states(rk, vc, state0[0], kept.get("S"), resets and {c: s0[0] for c, (s0, _) in resets.items()})
         Gb, starts = _suffix_sums(rq, dnum, sums[0], resets and {c: gs[0] for c, (_, gs) in resets.items()})
         starts = {c: (starts[c], starts_z[c]) for c in starts}
         drq, drk, A = _numerator(rq, rk, vc, dnum, Sb[:nc], Gb[1:], bmm_batch(kept["A"]) if "A" in kept else None)

@@ -24,8 +24,8 @@ import torch
 
 from ..features import favor_exp_, favor_inputs
 
-__all__ = ["Walk", "Favor", "KEEP_FEATURES_BYTES", "KEPT", "keep_plan", "causal_forward", "block_features", "chunk_major",
-           "bmm_batch", "rotate", "prefix_", "block_rot", "safe_den"]
+__all__ = ["Walk", "Favor", "KEEP_FEATURES_BYTES", "KEPT", "keep_plan", "causal_forward", "block_features",
+           "chunk_major", "bmm_batch", "rotate", "prefix_", "block_rot", "safe_den"]
 
 # What the forward keeps for the backward (see ``keep_plan``) stays under this size; the rest
 # is recomputed block by block (the memory stays O(block) at any length).

@@ -117,7 +117,8 @@ def chunk_causal_backward(
         walk, (fl(q), fl(k), fl(v), fl(out), den, bS, bz), fl(g), (gS.reshape(D, B * H, m, e), gz.reshape(D, B * H, m)),
         (S0.reshape(D, B * H, m, e), z0.reshape(D, B * H, m)), bufs)
     shape = (B, H, N)
-    return [unflat(dq, lay, shape), unflat(dk, lay, shape), unflat(dv, lay, shape), dS0.view(S0.shape), dz0.view(z0.shape)]
+    grads = [unflat(t, lay, shape) for t in (dq, dk, dv)]
+    return grads + [dS0.view(S0.shape), dz0.view(z0.shape)]
 
 
 @chunk_causal_backward.register_fake
@@ -138,7 +139,8 @@ def _backward(ctx, grads):
         raise RuntimeError("rotary_linear_attention: double backward (create_graph=True) is not supported")
     t = ctx.saved_tensors
     inputs, saved, aux = list(t[:6]), list(t[6 : 6 + ctx.n_saved]), list(t[6 + ctx.n_saved :])
-    g, gS, gz = (torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads[:3], (inputs[5], inputs[3], inputs[4])))
+    like = (inputs[5], inputs[3], inputs[4])  # out, S0, z0: the shapes of out, S, z
+    g, gS, gz = (torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads[:3], like))
     dq, dk, dv, dS0, dz0 = chunk_causal_backward([g, gS, gz], inputs, saved, aux, ctx.cfg, ctx.base)
     return dq, dk, dv, [dS0, dz0], [None] * len(aux), None, None
 

@@ -13,7 +13,7 @@ import torch
 
 from ..features import favor_features
 from ..rotary import check_offset, rotary_tables, rotate_with_tables, table_dtype
-from .utils import LinearAttentionState, check_args, check_final_state, normalise_scale
+from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
 __all__ = ["rotary_linear_attention_step", "recurrent_rotary_linear_attention"]
 
@@ -50,9 +50,9 @@ def rotary_linear_attention_step(
             raise ValueError(f"{name} must be a tensor [B, H, .] (one token), got {got}")
     B = q_t.shape[0]
     position = check_offset(position, "position", rows=B)
-    a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], causal=True, rotary=rotary, offset=position,
-                   base=base, projection=projection, mask=None, key_mask=None, cu_seqlens=None,
-                   initial_state=state, allow_negative=allow_negative)
+    a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None],
+                   Options(rotary=rotary, offset=position, base=base, projection=projection, initial_state=state,
+                           allow_negative=allow_negative))
     out_dtype = v_t.dtype
     cdt = table_dtype(q_t.dtype)
     state, sk = a.state, None
@@ -103,9 +103,9 @@ def recurrent_rotary_linear_attention(
     ``rotary_linear_attention_step``, as decoding runs it. O(N) Python steps: a reference for
     decoding, not a fast path. Tensors `[B, H, N, .]`; returns `[B, H, N, e]` or ``(out, state)``.
     """
-    a = check_args(q, k, v, causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
+    a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative)
+                   allow_negative=allow_negative))
     if not causal:
         raise ValueError("causal: the recurrent path walks tokens in order; it is causal only")
     B, H, N, e = q.shape[:3] + v.shape[-1:]
