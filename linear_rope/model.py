@@ -1,6 +1,7 @@
 """PerformerLM: a byte-level language model of Pre-LN RotaryLinearAttention blocks."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -160,13 +161,29 @@ class PerformerLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def _check_ids(self, ids: torch.Tensor, name: str) -> None:
+        """Every id in [0, vocab_size): eager names the bad values; under torch.compile the same
+        check runs in the graph (``torch._assert_async``, a RuntimeError), with no graph break."""
+        V = self.cfg.vocab_size
+        if ids.numel() == 0:
+            return
+        if torch.compiler.is_compiling():
+            torch._assert_async(((ids >= 0) & (ids < V)).all(), f"{name}: token ids must be in [0, vocab_size={V})")
+            return
+        out = (ids < 0) | (ids >= V)
+        if bool(out.any()):
+            bad = ids[out]
+            vals = sorted(set(bad.tolist()))
+            shown = ", ".join(map(str, vals[:8])) + (", ..." if len(vals) > 8 else "")
+            raise ValueError(f"{name}: {bad.numel()} id(s) outside [0, vocab_size={V}): {shown}")
+
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings, plus the ``absolute`` table at ``positions`` `[B, N]` (None: 0..N-1)."""
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
             if positions is None:
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            if int(positions.max()) >= self.cfg.seq_len:
+            if positions.numel() and int(positions.max()) >= self.cfg.seq_len:
                 raise ValueError(
                     f"ids: position {int(positions.max())} is past the absolute table of seq_len={self.cfg.seq_len}"
                 )
@@ -183,6 +200,7 @@ class PerformerLM(nn.Module):
         """
         if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.long, torch.int32, torch.uint8):
             raise ValueError(f"ids must be an integer tensor [B, N] with N >= 1, got {ids.dtype} {tuple(ids.shape)}")
+        self._check_ids(ids, "ids")
         if mask is not None:
             mask = check_mask(mask, "mask", tuple(ids.shape))
         x = self._embed(ids.long(), None if mask is None else token_positions(0, ids.shape[1], mask))
@@ -195,7 +213,16 @@ class PerformerLM(nn.Module):
 
     def step(self, token: torch.Tensor, states: list[LinearAttentionState], position: int | torch.Tensor):
         """One token `[B]` at ``position`` (an int, or a LongTensor `[B]` per row) -> (logits
-        `[B, vocab]`, new states); O(1) in the context."""
+        `[B, vocab]`, new states); O(1) in the context. ``states`` holds one state per layer
+        (as ``forward(..., output_final_state=True)`` returns them)."""
+        if not isinstance(token, torch.Tensor) or token.dim() != 1 or token.is_floating_point():
+            raise ValueError(f"token must be an integer tensor [B], got {getattr(token, 'dtype', type(token).__name__)} "
+                             f"{list(getattr(token, 'shape', []))}")
+        listed = isinstance(states, (list, tuple)) and not isinstance(states, LinearAttentionState)
+        if not listed or len(states) != len(self.blocks) or not all(s is None or isinstance(s, tuple) for s in states):
+            got = f"{len(states)} states" if listed else type(states).__name__
+            raise ValueError(f"states: one state per layer is needed ({len(self.blocks)}), got {got}")
+        self._check_ids(token, "token")
         position = check_offset(position, "position", rows=token.shape[0])
         pos = None
         if self.pos_emb is not None:  # only the absolute table reads positions here
@@ -234,8 +261,7 @@ class PerformerLM(nn.Module):
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_temperature(temperature)
         longest = max(len(p) for p in prompts)
         if self.pos_emb is not None and longest + max_new_tokens > self.cfg.seq_len + 1:
             raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.cfg.seq_len}")
@@ -264,11 +290,20 @@ class PerformerLM(nn.Module):
         return res[0] if isinstance(prompt, (bytes, bytearray)) else res
 
 
+def check_temperature(temperature) -> None:
+    """A finite number >= 0 (0: greedy); any positive value samples, however small."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+
+
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
     """logits `[B, V]` -> token ids `[B]`."""
+    check_temperature(temperature)
     if top_k == 1 or temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # Shift the max to 0 first: a tiny temperature then sends the others to -inf, never inf - inf.
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

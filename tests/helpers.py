@@ -62,6 +62,23 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float = 120.0, poll: float =
 
 
 
+def past_the_event_files_second(run_dir: Path) -> None:
+    """Wait until the clock has passed the whole second in the newest event file's name.
+
+    TensorBoard orders a run's event files by that second: a resumed run's file must not share
+    it. This waits on the file's own timestamp, not for a fixed time."""
+    stamps = [int(p.name.split(".")[3]) for p in run_dir.glob("events.out.tfevents.*")]
+    while stamps and time.time() < max(stamps) + 1:
+        time.sleep(0.01)
+
+
+def latest_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint on disk (0 when there is none)."""
+    from linear_rope.enwik8.checkpoint import list_checkpoints
+
+    return max((s for s, _ in list_checkpoints(run_dir)), default=0)
+
+
 def poison_training_forward(monkeypatch, calls, where: str = "grad") -> dict:
     """Make the training forwards of PerformerLM numbered in ``calls`` (1-based) non-finite.
 
@@ -86,3 +103,17 @@ def poison_training_forward(monkeypatch, calls, where: str = "grad") -> dict:
 
     monkeypatch.setattr(PerformerLM, "forward", poisoned)
     return state
+
+
+def bf16_bound(out, ref):
+    """bf16 keeps 8 significant bits: rounding the output costs at most 2^-9 of it. Running sums
+    and tables are float32 inside, so every position, the last of a long sequence as well as the
+    first, stays within 2^-8 relative (plus float32 round-off) of the float64 reference of the
+    same bf16 inputs; a negated, zero or float32-accumulated-in-bf16 output does not."""
+    import torch
+
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    bound = 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()
+    worst = (err / bound).amax(dim=(0, 1, 3))  # per position
+    assert (worst <= 1).all(), (worst.argmax().item(), worst.max().item())

@@ -111,8 +111,11 @@ def test_keywords_numbers(quick):
 
 def test_training_numbers(quick):
     r = quick[1]["training"]
-    if "tokens_per_s" in r:  # absent only where the base commit cannot be checked out
-        assert all(v > 0 for v in r["tokens_per_s"].values()) and r["speedup"] > 0
+    if "tokens_per_s" not in r:  # the base commit could not be checked out (e.g. a shallow clone)
+        notes = r.get("notes") or []
+        assert notes and notes[0].startswith("not run: no worktree"), r  # and nothing else went wrong
+        pytest.skip(notes[0])
+    assert all(v > 0 for v in r["tokens_per_s"].values()) and r["speedup"] > 0
 
 
 def test_bounds_and_summary(quick):

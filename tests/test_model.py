@@ -18,8 +18,11 @@ def test_lm_is_causal(position):
     for t in (0, 10, 30):
         ids2 = ids.clone()
         ids2[:, t + 1:] = torch.randint(0, 256, ids2[:, t + 1:].shape, generator=torch.Generator().manual_seed(t))
-        diff = (model(ids2)[:, : t + 1] - logits[:, : t + 1]).abs().max().item()
+        logits2 = model(ids2)
+        diff = (logits2[:, : t + 1] - logits[:, : t + 1]).abs().max().item()
         assert diff <= 1e-10, (position, t, diff)
+        later = (logits2[:, t + 1 :] - logits[:, t + 1 :]).abs().amax(-1)  # (B, N - t - 1)
+        assert (later > 1e-6).all(), (position, t)  # and the later ones do move
 
 
 @pytest.mark.parametrize("position", LM_POSITIONS)
@@ -41,11 +44,26 @@ def test_greedy_generation_equals_full_forward(position):
     torch.testing.assert_close(torch.stack(step_logits), full[len(prompt) - 1 : -1], rtol=0, atol=1e-4)
 
 
-def test_sampling_is_seeded_and_respects_top_k():
+def test_sampling_is_seeded_and_respects_top_k(monkeypatch):
+    import linear_rope.model as model_mod
+
+    seen, sample = [], model_mod.sample_next
+
+    def recorded(logits, **kw):  # every sampled token with the logits it was drawn from
+        tok = sample(logits, **kw)
+        seen.append((logits.clone(), tok.clone()))
+        return tok
+
+    monkeypatch.setattr(model_mod, "sample_next", recorded)
     model = tiny("rope").eval()
-    a = model.generate(b"ab", 20, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
-    b = model.generate(b"ab", 20, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
-    assert a == b and len(a) == 20
+    a = model.generate([b"ab", b"xyz"], 20, temperature=2.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert len(seen) == 20 and all(len(t) == 20 for t in a)
+    for logits, tok in seen:  # each of the 2 x 20 tokens is one of its 5 most likely
+        top5 = logits.topk(5, dim=-1).indices
+        assert (top5 == tok[:, None]).any(-1).all(), (tok, top5)
+    assert any((logits.argmax(-1) != tok).any() for logits, tok in seen)  # and it sampled
+    b = model.generate([b"ab", b"xyz"], 20, temperature=2.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert a == b
     assert model.generate(b"ab", 0) == b""
     assert model.generate(b"ab", 5, temperature=0) == model.generate(b"ab", 5, top_k=1)
 
@@ -109,3 +127,72 @@ def test_bad_generate_and_forward_input():
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, 40, dtype=torch.long))
     assert isinstance(ModelConfig(), ModelConfig)
+
+
+def test_step_refuses_a_state_list_of_the_wrong_length():
+    model = tiny("rope")
+    _, states = model(torch.tensor([[1, 2, 3]]), output_final_state=True)
+    for bad in (states[:1], states + states[:1]):
+        with pytest.raises(ValueError, match=r"states: one state per layer is needed \(2\), got \d states"):
+            model.step(torch.tensor([4]), bad, 3)
+    with pytest.raises(ValueError, match="states"):
+        model.step(torch.tensor([4]), states[0], 3)
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_ids_outside_the_vocabulary_name_the_values(call):
+    model = tiny("rope")
+    _, states = model(torch.tensor([[1, 2, 3]]), output_final_state=True)
+    for bad, shown in ((256, "256"), (-1, "-1")):
+        with pytest.raises(ValueError, match=rf"outside \[0, vocab_size=256\): {shown}"):
+            if call == "forward":
+                model(torch.tensor([[1, bad, 3]]))
+            else:
+                model.step(torch.tensor([bad]), states, 3)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0, None, "1"])
+def test_bad_temperature_is_refused(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        tiny("rope").generate(b"ab", 3, temperature=temperature)
+
+
+def test_a_tiny_temperature_is_greedy():
+    model = tiny("rope").eval()
+    assert model.generate(b"ab", 8, temperature=1e-45) == model.generate(b"ab", 8, top_k=1)
+
+
+@pytest.mark.parametrize("position", LM_POSITIONS)
+def test_empty_batch_gives_empty_logits_and_gradients(position):
+    model = tiny(position).double()
+    logits, states = model(torch.zeros(0, 5, dtype=torch.long), output_final_state=True)
+    assert logits.shape == (0, 5, 256) and all(s.S.shape[0] == 0 for s in states)
+    logits.sum().backward()
+    assert all(p.grad is None or (p.grad == 0).all() for p in model.parameters())
+    lg, _ = model.step(torch.zeros(0, dtype=torch.long), states, 5)
+    assert lg.shape == (0, 256)
+
+
+@pytest.mark.parametrize("position", LM_POSITIONS)
+def test_ragged_prefill_then_per_row_steps_match_rows_alone(position):
+    """Left-padded rows prefilled under a mask, then decoded at per-row positions: each row's
+    logits equal the row alone, in float64 (the per-row positions meet the per-row states)."""
+    model = tiny(position).double()
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (n + 6,), generator=g) for n in (4, 11, 7)]
+    P = 11
+    ids, mask = torch.zeros(3, P, dtype=torch.long), torch.zeros(3, P, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        n = len(s) - 6
+        ids[b, P - n :], mask[b, P - n :] = s[:n], True
+    logits, states = model(ids, mask=mask, output_final_state=True)
+    pos, dec = mask.sum(1), []
+    for t in range(6):
+        lg, states = model.step(torch.stack([s[len(s) - 6 + t] for s in seqs]), states, pos + t)
+        dec.append(lg)
+    dec = torch.stack(dec, dim=1)
+    for b, s in enumerate(seqs):
+        n = len(s) - 6
+        alone = model(s[None])[0]
+        torch.testing.assert_close(logits[b, P - n :], alone[:n], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(dec[b], alone[n:], rtol=1e-9, atol=1e-9)

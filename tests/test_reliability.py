@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, SHIM, losses, poison_training_forward, raw_losses, run_main, wait_for
+from helpers import (ENV, ROOT, SHIM, latest_step, losses, past_the_event_files_second, poison_training_forward,
+                     raw_losses, run_main, wait_for)
 from linear_rope.enwik8 import checkpoint, trainer
 from linear_rope.enwik8.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 
@@ -62,7 +62,7 @@ def test_resume_is_exact(tmp_path, corpus, straight):
     """Stop at 7 (another --steps), resume to 16: the same losses, weights and RNG states."""
     out = ["--out", str(tmp_path / "runs")]
     assert run_main(common(corpus, tmp_path, 7, *out))[0] == 0
-    time.sleep(1.05)  # TensorBoard sorts event files by their whole-second timestamp
+    past_the_event_files_second(tmp_path / "runs" / "rope-seed0")
     assert run_main(common(corpus, tmp_path, 16, *out, "--resume"))[0] == 0
     run_dir = tmp_path / "runs" / "rope-seed0"
     assert_same_run(straight, run_dir, 16)
@@ -86,10 +86,14 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_checkpoints_the_current_step_and_exits_0(tmp_path, corpus, straight, sig):
-    """The signal arrives mid-run; the checkpoint is at the step it ended; resume is exact."""
+    """The signal arrives mid-run; the checkpoint is at the step it ended; resume is exact.
+
+    No race: the signal goes once step 2's checkpoint (and, flushed before it, its events) is on
+    disk, and the run has 1000 steps, so it is always mid-run; it is resumed to step 16."""
     run_dir = tmp_path / "runs" / "rope-seed0"
-    proc = _spawn(common(corpus, tmp_path, 16, "--out", str(tmp_path / "runs")))
-    wait_for(lambda: len(raw_losses(run_dir)) >= 2, proc)  # training, not importing
+    proc = _spawn(common(corpus, tmp_path, 1000, "--out", str(tmp_path / "runs"), "--checkpoint-every", "1"))
+    wait_for(lambda: latest_step(run_dir) >= 2, proc)
+    assert max(s for s, _ in raw_losses(run_dir)) >= 2  # flushed with the checkpoint
     os.kill(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -97,22 +101,39 @@ def test_signal_checkpoints_the_current_step_and_exits_0(tmp_path, corpus, strai
     step = load_checkpoint(latest_checkpoint(run_dir))["step"]
     assert 2 <= step < 16 and f"at step {step}" in err
     assert max(s for s, _ in raw_losses(run_dir)) == step  # stopped right after the checkpoint
-    # the printed command resumes it
+    # the printed command resumes it (to the reference run's 16 steps)
     command = shlex.split(err.split("resume with:")[1].strip().splitlines()[0])
     assert command[:2] == ["python", "train_enwik8.py"] and command[-1] == "--resume"
-    time.sleep(1.05)
-    code, _, err = run_main(command[2:])
+    past_the_event_files_second(run_dir)
+    code, _, err = run_main(command[2:] + ["--steps", "16"])
     assert code == 0, err
     assert_same_run(straight, run_dir, 16)
 
 
-def test_kill_9_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path, corpus):
-    """SIGKILL six times (four random moments, two inside a checkpoint write), then finish.
+def _stopped_inside_a_write(proc: subprocess.Popen, run_dir: Path) -> bool:
+    """SIGSTOP the run when a temporary checkpoint file exists; True if one still exists once it
+    is stopped (the kill then lands inside the write), else SIGCONT and False."""
+    if not any(run_dir.glob(".ckpt-*.tmp")):
+        return False
+    os.killpg(proc.pid, signal.SIGSTOP)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] not in "TtZ":  # until it has stopped
+        time.sleep(0.001)
+    if any(run_dir.glob(".ckpt-*.tmp")):
+        return True
+    os.killpg(proc.pid, signal.SIGCONT)
+    return False
 
-    A checkpoint is written after every step, and the model is widened (12 MB checkpoints) so
-    that a write takes long enough to be caught in the act. After each kill the newest
-    checkpoint must load, and the run, resumed each time, must end with exactly the losses and
-    weights of an uninterrupted run.
+
+def test_kill_9_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path, corpus):
+    """SIGKILL six times (four just after a checkpoint landed, two inside a checkpoint write),
+    then finish.
+
+    A checkpoint is written after every step, and the model is widened (12 MB checkpoints). The
+    moments are observed, not slept for: a new checkpoint on disk, or a temporary checkpoint
+    file seen while the run is stopped (SIGSTOP), so every kill lands where it should on a busy
+    machine too. After each kill the newest checkpoint must load, and the run, resumed each
+    time, must end with exactly the losses and weights of an uninterrupted run.
     """
     steps, wide = 150, ["--dim", "256"]
     code, _, err = run_main(common(corpus, tmp_path, steps, *wide, "--out", str(tmp_path / "ref")))
@@ -120,16 +141,15 @@ def test_kill_9_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path, 
     run_dir = tmp_path / "runs" / "rope-seed0"
     argv = common(corpus, tmp_path, steps, *wide, "--out", str(tmp_path / "runs"),
                   "--checkpoint-every", "1")
-    rng = random.Random(0)
     in_write, kills = 0, []
     for trial in range(6):
         proc = _spawn(argv + (["--resume"] if trial else []))
-        before = {p for _, p in list_checkpoints(run_dir)}
-        wait_for(lambda: {p for _, p in list_checkpoints(run_dir)} - before, proc)
-        if trial < 4:
-            time.sleep(rng.uniform(0.0, 1.0))
-        else:  # kill while a temporary checkpoint file is being written
-            wait_for(lambda: any(run_dir.glob(".ckpt-*.tmp")), proc, poll=0.0002)
+        before = latest_step(run_dir)
+        if trial < 4:  # 1 to 4 checkpoints after the resume: the kill falls in the step after it
+            wait_for(lambda: latest_step(run_dir) >= before + 1 + trial, proc)
+        else:  # while a temporary checkpoint file is being written
+            wait_for(lambda: latest_step(run_dir) > before, proc)
+            wait_for(lambda: _stopped_inside_a_write(proc, run_dir), proc, poll=0.0002)
         os.killpg(proc.pid, signal.SIGKILL)
         in_write += trial >= 4 and any(run_dir.glob(".ckpt-*.tmp"))
         proc.communicate()
@@ -139,8 +159,8 @@ def test_kill_9_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path, 
         assert ckpt["step"] == int(latest.stem.split("-")[1])
         kills.append(ckpt["step"])
     assert kills == sorted(kills) and kills[-1] < steps, kills
-    assert in_write >= 1, "no kill landed inside a checkpoint write"
-    time.sleep(1.05)
+    assert in_write == 2, "a kill meant for a checkpoint write missed it"
+    past_the_event_files_second(run_dir)
     code, _, err = run_main(argv + ["--resume"])
     assert code == 0, err
     assert not list(run_dir.glob(".*tmp"))

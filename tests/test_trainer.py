@@ -41,11 +41,27 @@ def test_bf16_autocast_step_is_finite_and_within_2_percent_of_fp32(splits, tmp_p
     got = {}
     for precision in ("fp32", "bf16"):
         t = trainer(splits, tmp_path, position, precision=precision)
+        seen = set()  # the dtypes the feed-forward's matmuls produced: bf16 must really be used
+        hook = t.model.blocks[0].ff[0].register_forward_hook(lambda m, i, o: seen.add(o.dtype))
         losses_ = [t.train_step(s)[0] for s in range(3)]  # three updates: bf16 weights drift too
+        hook.remove()
+        assert seen == {torch.bfloat16 if precision == "bf16" else torch.float32}, (precision, seen)
         grads = [p.grad for p in t.model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads), precision
         assert all(p.dtype == torch.float32 for p in t.model.parameters())  # fp32 master weights
         got[precision] = losses_
+        if precision == "bf16":  # this state's logits, at every position, against float64
+            x = torch.from_numpy(splits["valid"][: 4 * 64].astype(np.int64)).view(4, 64)
+            t.model.eval()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                low = t.model(x).double()
+            with torch.no_grad():
+                ref = t.model.double()(x)
+            # 2 layers of bf16 matmuls (2^-9 per rounding, sums of 128 products): 3% of the
+            # logits' spread at each position; a negated or fp32-only output is far outside
+            err = (low - ref).abs().amax(-1) / ref.std(-1)
+            assert (err < 0.03).all(), err.max().item()
+    assert got["bf16"] != got["fp32"]  # the rounding shows
     for fp32, bf16 in zip(got["fp32"], got["bf16"]):
         # bf16 has an 8-bit mantissa (rel. error 2^-9 per rounding); the loss is a mean over
         # 256 positions of logits from bf16 matmuls, so 2% is far above its noise

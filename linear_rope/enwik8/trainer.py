@@ -290,9 +290,14 @@ class Trainer:
                         self.dd, self.tc.precision)
 
     def save(self) -> None:
-        """Checkpoint ``TrainState.state_dict()`` (every rank takes part; rank 0 writes)."""
+        """Checkpoint ``TrainState.state_dict()`` (every rank takes part; rank 0 writes).
+
+        The event file is flushed first: once a checkpoint of step s is on disk, so is every
+        event up to step s (what a reader, or a test waiting on the run, can rely on)."""
         sd = self.state.state_dict()
         if self.dd.lead:
+            if self.writer is not None:
+                self.writer.flush()
             save_checkpoint(self.run_dir, self.state.step, sd, keep=self.tc.keep_checkpoints)
 
     # ------------------------------------------------------------------ logs (rank 0 writes)
@@ -346,6 +351,7 @@ class Trainer:
         st.metrics["val_bpc"] = self.evaluate("valid")
         if self.writer is not None:
             self.writer.add_scalar("val/bpc", st.metrics["val_bpc"], st.step)
+            self.writer.flush()  # every evaluation is on disk as soon as it is printed
         self.progress.write(f"{self.name} step {st.step}: val bpc {st.metrics['val_bpc']:.4f} "
                             f"(eval {time.perf_counter() - t:.1f} s)")
         if last:

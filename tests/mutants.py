@@ -1,0 +1,177 @@
+"""Do the tests catch the bugs they are there to catch? A small mutation check, run in CI.
+
+    python tests/mutants.py            # every mutant; exit 1 if one survives or no longer applies
+    python tests/mutants.py --list     # the mutants and the tests each one runs
+    python tests/mutants.py NAME ...   # some of them
+
+Each mutant is one deliberate bug of a kind that once passed the suite (per-row offsets ignored,
+the key mask taken from the query mask, a rotation sign flipped, a state dropped, top-k
+ignored, ...). For each, the package and the tests are copied to a temporary directory, the
+bug is written into the copy (an exact piece of text, which must occur exactly once: if the
+code moved on and the text is gone, the script fails instead of silently checking nothing),
+and the tests named for it run against the copy in a subprocess (``PYTHONPATH`` = the copy).
+The mutant is *killed* when pytest reports failing tests (exit 1), *survives* when they pass
+(exit 0); any other exit (nothing collected, a crash at import) is an error. The tests must
+pass on the unchanged code (CI runs the whole suite first; ``--baseline`` checks just these).
+Two mutants run at a time; the check costs about 2 CPU-minutes (1m45s user time measured).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutant:
+    name: str  # what the bug is
+    path: str  # the file, relative to the repository root
+    old: str  # exact text, found exactly once
+    new: str  # what it becomes
+    tests: list[str]  # pytest arguments, relative to the copy's root
+
+
+OPS = "linear_rope/ops/"
+MUTANTS = [
+    Mutant("per-row offsets ignored on the fast path", OPS + "chunk.py",
+           "aux = [none if t is None else t for t in (a.kmask, w, a.positions)]",
+           "aux = [none if t is None else t for t in (a.kmask, w, None if a.qmask is None else a.positions)]",
+           ["tests/test_ops.py", "-k", "keywords_match_reference and offsets and all-kept",
+            "tests/test_keywords_layer.py", "-k", "per_row_offsets"]),
+    Mutant("per-document offsets ignored (packed documents)", "linear_rope/rotary.py",
+           "off = offset[d : d + 1] if isinstance(offset, torch.Tensor) else offset",
+           "off = 0",
+           ["tests/test_ops.py", "-k", "keywords_match_reference and cu+offsets and all-kept",
+            "tests/test_keywords_layer.py", "-k", "packed_documents_with_offsets"]),
+    Mutant("per-row positions ignored by the one-token step", OPS + "recurrent.py",
+           "pos = position.view(B, 1, 1) if isinstance(position, torch.Tensor) else None",
+           "pos = position.view(B, 1, 1)[:1].expand(B, 1, 1) if isinstance(position, torch.Tensor) else None",
+           ["tests/test_keywords_layer.py", "-k", "per_row_offsets or ragged",
+            "tests/test_model.py", "-k", "ragged_prefill"]),
+    Mutant("cross-attention key mask taken from the query mask (op)", OPS + "utils.py",
+           "kmask = None if cross else qmask", "kmask = qmask",
+           ["tests/test_keywords_op.py", "-k", "cross_attention"]),
+    Mutant("cross-attention key mask taken from the query mask (layer)", "linear_rope/attention.py",
+           "key_mask = context_mask if context_mask is not None else torch.ones(",
+           "key_mask = context_mask if context is None else torch.ones(",
+           ["tests/test_keywords_layer.py", "-k", "cross_attention"]),
+    Mutant("rotation sign flipped in the chunked kernel", OPS + "chunk_fwd.py",
+           "torch.view_as_complex(phi.reshape(*shape, 2)) * rot)",
+           "torch.view_as_complex(phi.reshape(*shape, 2)) * rot.conj())",
+           ["tests/test_ops.py", "-k", "chunked_matches_reference and causal and rope and N63"]),
+    Mutant("rotation sign flipped in rotate_with_tables", "linear_rope/rotary.py",
+           "out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)",
+           "out = torch.stack((x1 * cos + x2 * sin, -x1 * sin + x2 * cos), dim=-1)",
+           ["tests/test_rotary.py", "tests/test_ops.py", "-k", "recurrent_matches_reference and N63"]),
+    Mutant("initial state dropped on the chunked path", OPS + "chunk.py",
+           "    if a.state is None:\n        S0, z0 =", "    if True:\n        S0, z0 =",
+           ["tests/test_keywords_op.py", "-k", "two_chained_calls or initial_state"]),
+    Mutant("state dropped by the one-token step", OPS + "recurrent.py",
+           "S, z = state.S.to(cdt) + S, state.z.to(cdt) + z", "S, z = S, state.z.to(cdt) + z",
+           ["tests/test_ops.py", "-k", "prefill_state_then_steps"]),
+    Mutant("state dropped on the bidirectional path", OPS + "chunk.py",
+           "S, z = S + a.state.S.to(S.dtype), z + a.state.z.to(z.dtype)", "S, z = S, z + a.state.z.to(z.dtype)",
+           ["tests/test_keywords_op.py", "-k", "initial_state_and_final_state and bidir"]),
+    Mutant("a layer's state dropped by PerformerLM.step", "linear_rope/model.py",
+           "        for block, state in zip(self.blocks, states):",
+           "        states = list(states[:-1]) + [None]\n        for block, state in zip(self.blocks, states):",
+           ["tests/test_model.py", "-k", "greedy_generation and rope and not rope_"]),
+    Mutant("state list of the wrong length accepted by step", "linear_rope/model.py",
+           "if not listed or len(states) != len(self.blocks) or", "if not listed or",
+           ["tests/test_model.py", "-k", "step_refuses"]),
+    Mutant("top-k ignored when sampling", "linear_rope/model.py",
+           "if top_k is not None and top_k < logits.shape[-1]:", "if False:",
+           ["tests/test_model.py", "-k", "top_k"]),
+    Mutant("bf16 output negated", OPS + "chunk.py",
+           "out = out[..., :e].to(out_dtype)",
+           "out = out[..., :e].to(out_dtype)\n    out = -out if out_dtype == torch.bfloat16 else out",
+           ["tests/test_ops.py", "tests/test_favor_attention.py", "-k", "bf16"]),
+    Mutant("all-zero output (causality tests must see later outputs move)", OPS + "chunk.py",
+           "out = out[..., :e].to(out_dtype)", "out = out[..., :e].to(out_dtype) * 0",
+           ["tests/test_ops.py", "tests/test_favor_attention.py", "-k", "strictly"]),
+    Mutant("feature scale not normalised", OPS + "utils.py",
+           "    return q / sq, k / sk, state, sk", "    return q, k, state, torch.ones_like(sk)",
+           ["tests/test_keywords_op.py", "-k", "scale and fp32"]),
+    Mutant("feature-sign check skipped under torch.compile", OPS + "utils.py",
+           "        torch._assert_async(t.detach().min() >= 0, msg)\n", "",
+           ["tests/test_keywords_op.py", "-k", "under_compile"]),
+]
+
+
+def run_one(m: Mutant, timeout: float, mutate: bool = True) -> tuple[str, float, str]:
+    """(verdict, seconds, detail): killed / SURVIVED / NOT APPLIED / ERROR. ``mutate=False``
+    runs the same tests on the unchanged copy (``--baseline``), where they must pass."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        copy = Path(tmp)
+        for part in ("linear_rope", "tests"):
+            shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+        target = copy / m.path
+        text = target.read_text()
+        n = text.count(m.old)
+        if n != 1:
+            return "NOT APPLIED", 0.0, f"the text to mutate occurs {n} times in {m.path}"
+        if mutate:
+            target.write_text(text.replace(m.old, m.new))
+        env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "ERROR", time.monotonic() - t0, f"timed out after {timeout:.0f} s"
+    secs = time.monotonic() - t0
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode == 1:
+        return "killed", secs, last
+    if proc.returncode == 0:
+        return "SURVIVED", secs, last
+    return "ERROR", secs, f"pytest exit {proc.returncode}: {last}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="run only mutants whose name contains one of these")
+    p.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
+    p.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per mutant (default 300)")
+    p.add_argument("--baseline", action="store_true",
+                   help="run each mutant's tests on the unchanged code instead: they must all pass "
+                        "(CI runs the whole suite first, which covers this)")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    {m.path}: {' '.join(m.tests)}")
+        return 0
+    if not chosen:
+        print(f"no mutant matches {args.names}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda m: run_one(m, args.timeout, not args.baseline), chosen))
+    if args.baseline:  # unchanged code: passing is the right verdict
+        names = {"SURVIVED": "passes", "killed": "FAILS"}
+        results = [(names.get(v, v), s, d) for v, s, d in results]
+    width = max(len(m.name) for m in chosen)
+    print(f"{'mutant':<{width}}  {'verdict':<11}  {'s':>5}  tests")
+    for m, (verdict, secs, detail) in zip(chosen, results):
+        print(f"{m.name:<{width}}  {verdict:<11}  {secs:5.1f}  {detail}")
+    want = "passes" if args.baseline else "killed"
+    bad = [m.name for m, (v, _, _) in zip(chosen, results) if v != want]
+    print(f"{len(chosen) - len(bad)} of {len(chosen)} {'baselines pass' if args.baseline else 'mutants killed'} "
+          f"in {time.monotonic() - t0:.0f} s" + (f"; not as expected: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
