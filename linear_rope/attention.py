@@ -13,7 +13,7 @@ from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .ops.utils import check_cu_seqlens, check_mask
 from .qk_norm import QKNorm
-from .rotary import apply_rotary, check_offset, packed_positions, token_positions
+from .rotary import apply_rotary, check_offset, token_positions
 
 __all__ = ["RotaryLinearAttention", "POSITIONS"]
 
@@ -180,7 +180,7 @@ class RotaryLinearAttention(nn.Module):
         if self.position == "rope_pre":  # RoPE on q and k, at the positions the op would use
             if cu_seqlens is not None:
                 docs = check_cu_seqlens(cu_seqlens, B, N)
-                pos = packed_positions(docs, check_offset(offset, rows=len(docs)), mask, device=x.device)
+                pos = token_positions(check_offset(offset, rows=len(docs)), N, mask, device=x.device, docs=docs)
             else:
                 offset = check_offset(offset, rows=B)
                 mask = None if mask is None else check_mask(mask, "mask", (B, N))

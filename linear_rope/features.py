@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FavorFeatures", "FEATURE_KINDS", "default_nb_features", "draw_orthogonal_projection", "favor_features",
-           "key_exponent_floor"]
+           "key_exponent_floor", "favor_projection", "favor_inputs", "favor_exp_"]
 
 FEATURE_KINDS = ("favor", "elu", "relu")
 
@@ -162,21 +162,54 @@ def key_exponent_floor(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).tiny) + 8.0
 
 
+def favor_projection(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stabiliser folded into the projection: (wq `[m, d+1]`, wk `[m, d+2]`).
+
+    With ``favor_inputs`` (x' plus a column of ones for queries; x', -|x'|^2/2 and ones for keys)
+    one GEMM gives the shifted exponents of the module docstring: ``w.q' + c`` and
+    ``w.k' - |k'|^2/2 - c``."""
+    c = pair_shift(w)[:, None]  # (m, 1)
+    return torch.cat((w, c), dim=1), torch.cat((w, torch.ones_like(c), -c), dim=1)
+
+
+def favor_inputs(x: torch.Tensor, *, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`[..., d]` -> x' = x d^(-1/4) augmented for ``favor_projection``: `[..., d+1]` / `[..., d+2]`.
+
+    ``key_mask`` (broadcastable to `x.shape[:-1]`, 0 = masked): a masked key's -|k'|^2/2 column
+    holds -1e30, so ``favor_exp_`` gives it features of exactly 0 (no pass over the features)."""
+    xs = x * x.shape[-1] ** -0.25
+    ones = xs.new_ones(xs.shape[:-1] + (1,))
+    if is_query:
+        return torch.cat((xs, ones), dim=-1)
+    half_sq = -0.5 * (xs * xs).sum(-1, keepdim=True)
+    if key_mask is not None:
+        half_sq = half_sq - key_mask.eq(0).unsqueeze(-1).to(xs.dtype) * 1e30
+    return torch.cat((xs, half_sq, ones), dim=-1)
+
+
+def favor_exp_(a: torch.Tensor, *, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: the shifted exponents `[..., m]` of ``favor_projection`` -> features in (0, 1].
+
+    Queries: minus their row max (per token, it cancels in the ratio). Keys: clamped to
+    [``key_exponent_floor``, 0] (<= 0 in exact arithmetic; the clamp removes round-off), and
+    masked keys (``key_mask`` `[..., 1]` broadcastable, 0 = masked) set back to exactly 0."""
+    if is_query:
+        a -= a.amax(-1, keepdim=True).detach()
+        return a.exp_()
+    a.clamp_(min=key_exponent_floor(a.dtype), max=0.0).exp_()
+    return a if key_mask is None else a.mul_(key_mask)
+
+
 def favor_features(x: torch.Tensor, projection: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-    """Stabilised FAVOR+ features (see the module docstring), the readable form.
+    """Stabilised FAVOR+ features (see the module docstring).
 
     x: `[..., N, d]` queries (``is_query``) or keys, projection `[m, d]` -> `[..., N, m]` in
     float32 or wider, each feature in (0, 1]. Autocast is off inside: the map stays in fp32.
+    The one place the stabiliser is written: ``favor_projection``, ``favor_inputs`` and
+    ``favor_exp_``, which the fused path of ``linear_rope.ops`` calls block by block.
     """
     with torch.autocast(x.device.type, enabled=False):
         x = x.to(torch.promote_types(x.dtype, torch.float32))
-        w = projection.to(x.dtype)  # (m, d)
-        x = x * x.shape[-1] ** -0.25
-        proj = x @ w.t()  # (..., N, m)
-        c = pair_shift(w)  # (m,)
-        if is_query:
-            s = proj + c  # |q'|^2/2 is per token: it cancels with the row max
-            return torch.exp(s - s.amax(-1, keepdim=True).detach())
-        x_sq = 0.5 * (x * x).sum(-1, keepdim=True)  # (..., N, 1)
-        # <= 0 in exact arithmetic; the clamp only removes round-off above 0.
-        return torch.exp((proj - x_sq - c).clamp(min=key_exponent_floor(x.dtype), max=0.0))
+        wq, wk = favor_projection(projection.to(x.dtype))
+        a = favor_inputs(x, is_query=is_query) @ (wq if is_query else wk).t()  # (..., N, m)
+        return favor_exp_(a, is_query=is_query)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "token_positions",
-           "packed_positions"]
+__all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "token_positions"]
 
 
 def check_offset(offset, name: str = "offset", rows: int | None = None):
@@ -37,14 +36,24 @@ def check_offset(offset, name: str = "offset", rows: int | None = None):
     return offset
 
 
-def token_positions(offset, n: int, mask: torch.Tensor | None = None, device=None) -> torch.Tensor | None:
+def token_positions(offset, n: int, mask: torch.Tensor | None = None, device=None,
+                    docs: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
     """Positions `[B, n]` of every token, or None where they are simply offset .. offset+n-1.
 
-    With a ``mask`` `[B, n]` (True = real token) a token's position is ``offset`` plus the number
-    of real tokens before it in its row, so a padded row gets the positions it has alone
-    (padding tokens take their neighbour's; they are masked anyway). ``offset`` is an int or a
-    LongTensor `[B]` of per-row starts.
+    The one place positions are computed. With a ``mask`` `[B, n]` (True = real token) a
+    token's position is ``offset`` plus the number of real tokens before it in its row, so a
+    padded row gets the positions it has alone (padding tokens take their neighbour's; they are
+    masked anyway). ``offset`` is an int or a LongTensor `[B]` of per-row starts. With ``docs``
+    ([start, end) of documents packed in one row) each document restarts at its own offset
+    (``offset`` then an int or a LongTensor `[D]`).
     """
+    if docs is not None:
+        parts = []
+        for d, (s, e) in enumerate(docs):
+            off = offset[d : d + 1] if isinstance(offset, torch.Tensor) else offset
+            p = token_positions(off, e - s, None if mask is None else mask[:, s:e], device=device)
+            parts.append(torch.arange(e - s, device=device)[None] + off if p is None else p)
+        return torch.cat(parts, dim=1)
     if mask is None and not isinstance(offset, torch.Tensor):
         return None
     if mask is not None:
@@ -53,18 +62,6 @@ def token_positions(offset, n: int, mask: torch.Tensor | None = None, device=Non
         rel = torch.arange(n, device=device)[None]
     off = offset.to(rel.device)[:, None] if isinstance(offset, torch.Tensor) else offset
     return rel + off
-
-
-def packed_positions(docs: list[tuple[int, int]], offset=0, mask: torch.Tensor | None = None,
-                     device=None) -> torch.Tensor:
-    """Positions `[1, T]` of documents packed in one row, ``docs`` = [start, end) pairs: each
-    restarts at its ``offset`` (an int, or a LongTensor `[D]`), counting real tokens of ``mask``."""
-    out = []
-    for d, (s, e) in enumerate(docs):
-        off = offset[d : d + 1] if isinstance(offset, torch.Tensor) else offset
-        p = token_positions(off, e - s, None if mask is None else mask[:, s:e], device=device)
-        out.append(torch.arange(e - s, device=device)[None] + off if p is None else p)
-    return torch.cat(out, dim=1)
 
 
 def table_dtype(dtype: torch.dtype) -> torch.dtype:

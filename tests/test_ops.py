@@ -154,7 +154,7 @@ def test_step_bad_input():
 
 # --- every keyword on the fast path, against the reference (float64, outputs and gradients) ---
 
-import linear_rope.ops.chunk_blocks as chunk_mod  # noqa: E402
+import linear_rope.ops.chunk_fwd as chunk_mod  # noqa: E402
 from linear_rope import FavorFeatures, LinearAttentionState  # noqa: E402
 
 
@@ -216,8 +216,8 @@ SIZE_CASES = [pytest.param(n, c, id=f"N{n}-{c}") for n in (1, 5, 70, 257) for c 
 @pytest.mark.parametrize("fused", [True, False], ids=["projection", "features"])
 @pytest.mark.parametrize("N, case", SIZE_CASES)
 def test_keywords_match_reference(N, case, fused, rotary, keep, monkeypatch):
-    plan = chunk_mod._keep_plan  # what the forward keeps for the backward; the rest is recomputed
-    monkeypatch.setattr(chunk_mod, "_keep_plan", lambda *a, **kw: {n: b for n, b in plan(*a, **kw).items() if n in keep})
+    plan = chunk_mod.keep_plan  # what the forward keeps for the backward; the rest is recomputed
+    monkeypatch.setattr(chunk_mod, "keep_plan", lambda *a, **kw: {n: b for n, b in plan(*a, **kw).items() if n in keep})
     leaves, kw = _keyword_case(case, fused, N, seed=N)
     got = _loss_parts(rotary_linear_attention(*leaves[:3], rotary=rotary, chunk_size=16, block_size=32, **kw))
     want = _loss_parts(linear_attention_ref(*leaves[:3], rotary=rotary, **kw))

@@ -1,19 +1,27 @@
 """Rotary linear attention (RoFormer Eq. 19): one op, three paths, one signature, one set of checks.
 
+The three paths take ``(q, k, v, *, causal, rotary, offset, base, projection, mask, key_mask,
+cu_seqlens, initial_state, output_final_state, allow_negative)`` and return `[B, H, N, e]`, or
+``(out, LinearAttentionState)`` with ``output_final_state``:
+
 * ``naive.py``     the O(N^2) reference: the one place Eq. 19 is written out in full;
-* ``chunk.py``     the fast path: chunked causal with a hand-written backward, closed-form
-                   bidirectional (``rotary_linear_attention``);
-* ``recurrent.py`` one causal token from the state (``rotary_linear_attention_step``);
-* ``utils.py``     the state type and the argument checks the three share.
+* ``chunk.py``     the fast path (``rotary_linear_attention``): chunked causal as the custom op
+                   of ``chunk_op.py`` (forward ``chunk_fwd.py``, backward ``chunk_bwd.py``,
+                   layout ``layout.py``), closed-form bidirectional;
+* ``recurrent.py`` token by token (``recurrent_rotary_linear_attention``), and the one-token
+                   step decoding uses (``rotary_linear_attention_step``);
+* ``utils.py``     the state type and the argument checks the three share (positions resolved
+                   once there).
 """
 from .chunk import rotary_linear_attention
 from .naive import eq19_weights, naive_rotary_linear_attention
-from .recurrent import rotary_linear_attention_step
+from .recurrent import recurrent_rotary_linear_attention, rotary_linear_attention_step
 from .utils import LinearAttentionState
 
 __all__ = [
     "rotary_linear_attention",
     "rotary_linear_attention_step",
+    "recurrent_rotary_linear_attention",
     "naive_rotary_linear_attention",
     "eq19_weights",
     "LinearAttentionState",

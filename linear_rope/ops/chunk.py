@@ -1,6 +1,8 @@
 """The fast path of Eq. 19: chunked causal (hand-written backward) and closed-form bidirectional.
 
-The block kernels and their autograd Function live in ``chunk_blocks.py``.
+The causal path is the custom op ``linear_rope::chunk_causal`` (``chunk_op.py``: one node under
+``torch.compile``, any sequence length), whose forward and backward walks live in
+``chunk_fwd.py`` and ``chunk_bwd.py``, over the layout of ``layout.py``.
 
 ``rotary_linear_attention`` is the public op. It computes what ``naive.py`` writes out, with
 O(N) time and memory:
@@ -13,11 +15,12 @@ O(N) time and memory:
   ``rq @ S`` for every chunk. The backward has the same shape, with suffix sums ``G = sum
   rq dnum^T`` and ``Zq = sum dden phi(q)`` that are also the gradients of the initial state.
 * **Denominator.** Eq. 18 (no rotation): a column of ones on v and the column z on S, so the
-  numerator's GEMMs give it for free. Eq. 19: phi(q) . (z + sum phi(k)), GEMMs of its own.
+  numerator's GEMMs give it for free. Eq. 19: phi(q) . z + the rows of tril(phi(q) phi(k)^T),
+  GEMMs of its own.
 * **FAVOR+ inside** (``projection``): the stabiliser shifts of ``features.favor_features`` are
   folded into the projection GEMM (extra input columns); a masked key's ``-|k|^2/2`` column
   holds -1e30, so its features are exactly 0 out of the same exp. The features are kept for
-  the backward while both fit ``chunk_blocks.KEEP_FEATURES_BYTES``, and recomputed per block
+  the backward while both fit ``chunk_fwd.KEEP_FEATURES_BYTES``, and recomputed per block
   above that.
   RoPE is one complex multiplication per tensor. Their gradient ignores the shifts, which
   cancel in the ratio.
@@ -34,127 +37,66 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..features import favor_features, pair_shift
-from ..rotary import packed_positions, rotary_tables, rotate_with_tables, table_dtype, token_positions
-from .chunk_blocks import _ChunkCausal, use_compile
-from .utils import LinearAttentionState, check_args, check_final_state, normalise_scale
+from ..features import favor_features
+from ..rotary import rotary_tables, rotate_with_tables, table_dtype
+from .chunk_op import chunk_causal
+from .layout import OpConfig
+from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
-__all__ = ["rotary_linear_attention", "CHUNK", "BLOCK", "use_compile"]
+__all__ = ["rotary_linear_attention", "CHUNK", "BLOCK"]
 
 CHUNK = 64
 BLOCK = 256  # tokens per block: small blocks stay in cache (measured best of 64..4096 on 2-core EPYC)
 
 
-def _pack(docs, C, device):
-    """Packed documents laid out chunk-aligned: each padded to a multiple of C tokens.
-
-    Returns (src `[Np]`: the token each padded slot reads, valid `[Np]` bool, dst `[N]`: each
-    token's slot, starts: the chunk each document starts at), or None when every document
-    already starts on a chunk boundary (no padding needed but at the very end)."""
-    src, valid, dst, starts, at = [], [], [], [], 0
-    for s, e in docs:
-        n = e - s
-        p = -(-n // C) * C
-        starts.append(at // C)
-        src += list(range(s, e)) + [s] * (p - n)
-        valid += [True] * n + [False] * (p - n)
-        dst += list(range(at, at + n))
-        at += p
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return t(src, torch.long), t(valid, torch.bool), t(dst, torch.long), starts
-
-
-@torch.compiler.disable
-def _causal(q, k, v, w, km, tables, state, C, T, docs=None):
-    """q, k `[B, H, N, x]`, v `[B, H, N, e]` in the compute dtype; km `[B, N]` or None; tables
-    (cos, sin) `[N, m/2]` or `[B, N, m/2]` or None; ``docs`` [start, end) of packed documents
-    (B = 1). Returns out `[B, H, N, e]`, S, z (`[B or D, H, m, e]`, `[B or D, H, m]`).
-
-    Under ``torch.compile`` of a model this runs eagerly (a graph break; the rest of the model
-    compiles): its block loop and complex RoPE tables gain nothing from Inductor on CPU, and
-    Inductor failed on its dynamic shapes (``mul expected 2 arguments, got 3``, torch 2.13).
-    The complex table is built in here, so Inductor is never handed a complex tensor."""
-    rot = None if tables is None else torch.complex(*tables)
-    if rot is not None and rot.dim() == 3 and rot.shape[0] == 1:  # one row: one shared table
-        rot = rot[0]
+def _causal(q, k, v, w, a, cfg: OpConfig):
+    """The custom op on the checked arguments ``a``, in the compute dtype -> out, S, z."""
     B, H, N, e = v.shape
-    m = q.shape[-1] if w is None else w.shape[0]
-    C = min(C, N)
-    T = max(C, T // C * C)
-    starts, dst = [0], None
-    if docs is not None and len(docs) > 1:  # one call: documents chunk-aligned, states reset at their starts
-        src, valid, dst, starts = _pack(docs, C, q.device)
-        q, k, v = (t.index_select(2, src) for t in (q, k, v))
-        km = valid.to(v.dtype)[None] if km is None else km.index_select(1, src) * valid
-        rot = None if rot is None else rot.index_select(-2, src)
-    Np = q.shape[2]
-    pad = (-Np) % C
-    if pad:  # trailing tokens to fill the last chunk: masked, so they change no output or state
-        km = torch.ones(B, Np, dtype=v.dtype, device=v.device) if km is None else km
-        km = F.pad(km, (0, pad))
-        if rot is not None:  # (complex tensors have no F.pad)
-            rot = torch.cat((rot, rot.new_ones(rot.shape[:-2] + (pad, rot.shape[-1]))), dim=-2)
-
-    def flat(t):  # (B*H, Np+pad, .), contiguous; a copy only where a pad or layout needs one
-        if pad:
-            t = F.pad(t, (0, 0, 0, pad))
-        return t.reshape(B * H, Np + pad, -1).contiguous()
-
-    q, k, v = flat(q), flat(k), flat(v)
-    if km is not None:
-        km = km[:, None].expand(B, H, Np + pad).reshape(B * H, Np + pad)
-    D = len(starts)
-    if state is None:
-        S0, z0 = v.new_zeros(D, B * H, m, e), v.new_zeros(D, B * H, m)
-    else:  # rows (or documents) first: [B, H, ..] -> [1, B*H, ..]; [D, H, ..] stays per document
-        S0, z0 = state.S.to(v.dtype).reshape(D, B * H, m, e), state.z.to(v.dtype).reshape(D, B * H, m)
-    wq = wk = None
-    scale = 1.0
-    if w is not None:
-        d = w.shape[1]
-        c = pair_shift(w)
-        one = torch.ones_like(c[:, None])
-        wq, wk = torch.cat((w, c[:, None]), dim=1), torch.cat((w, one, -c[:, None]), dim=1)  # (m, d+1), (m, d+2)
-        scale = d**-0.25
-    out, S, z = _ChunkCausal.apply(q, k, v, S0, z0, km, w, wq, wk, scale, rot, C, T, starts)
-    out = out.view(B, H, Np + pad, e)
-    out = out[:, :, :N] if dst is None else out.index_select(2, dst)
-    rows = B if dst is None else D
-    return out, S.view(rows, H, m, e), z.view(rows, H, m)
-
-
-def _bidirectional(q, k, v, w, qmask, kmask, tables, state):
-    """Closed form: every query sees every (real) key."""
-    fq = q if w is None else favor_features(q, w, is_query=True)
-    fk = k if w is None else favor_features(k, w, is_query=False)
-    if kmask is not None:
-        fk = fk * kmask[:, None, :, None]
-    rq, rk = (fq, fk) if tables is None else (rotate_with_tables(fq, *tables), rotate_with_tables(fk, *tables))
-    S = rk.transpose(-1, -2) @ v  # (B, H, m, e)
-    z = fk.sum(-2)  # (B, H, m)
-    if state is not None:
-        S, z = S + state.S.to(S.dtype), z + state.z.to(z.dtype)
-    den = (fq * z.unsqueeze(-2)).sum(-1)
-    out = (rq @ S) / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
-    if qmask is not None:
-        out = out * qmask[:, None, :, None]
+    rows = B if a.docs is None else len(a.docs)
+    if a.state is None:
+        S0, z0 = v.new_zeros(rows, H, a.m, e), v.new_zeros(rows, H, a.m)
+    else:
+        S0, z0 = a.state.S.to(v.dtype), a.state.z.to(v.dtype)
+    none = v.new_empty(0)
+    aux = [none if t is None else t for t in (a.kmask, w, a.positions)]
+    out, S, z = chunk_causal(q, k, v, [S0, z0], aux, cfg.to_list(), float(cfg.base))[:3]
     return out, S, z
 
 
-def _one(q, k, v, *, causal, rotary, base, w, positions, offset, qmask, kmask, state, C, T, docs=None):
-    """One call in the compute dtype: rows, or (causal) documents packed in one row."""
-    cdt = v.dtype
-    N = q.shape[2]
-    m = q.shape[-1] if w is None else w.shape[0]
-    tables = None
-    if rotary:
-        tables = rotary_tables(N, m, offset=offset, base=base, dtype=cdt, device=q.device, positions=positions)
-    if not causal:
-        if tables is not None and tables[0].dim() == 3:  # per row: broadcast over heads
+def _bidirectional(q, k, v, w, a, cfg: OpConfig):
+    """Closed form: every query sees every (real) key of its row."""
+    fq = q if w is None else favor_features(q, w, is_query=True)
+    fk = k if w is None else favor_features(k, w, is_query=False)
+    if a.kmask is not None:
+        fk = fk * a.kmask[:, None, :, None]
+    rq, rk = fq, fk
+    if cfg.rotary:
+        tables = rotary_tables(q.shape[2], a.m, offset=cfg.offset, base=cfg.base, dtype=v.dtype, device=v.device,
+                               positions=a.positions)
+        if tables[0].dim() == 3:  # per row: broadcast over heads
             tables = (tables[0][:, None], tables[1][:, None])
-        return _bidirectional(q, k, v, w, qmask, kmask, tables, state)
-    km = None if kmask is None else kmask.to(cdt)
-    return _causal(q, k, v, w, km, tables, state, C, T, docs)
+        rq, rk = rotate_with_tables(fq, *tables), rotate_with_tables(fk, *tables)
+    S = rk.transpose(-1, -2) @ v  # (B, H, m, e)
+    z = fk.sum(-2)  # (B, H, m)
+    if a.state is not None:
+        S, z = S + a.state.S.to(S.dtype), z + a.state.z.to(z.dtype)
+    den = (fq * z.unsqueeze(-2)).sum(-1)
+    out = (rq @ S) / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
+    if a.qmask is not None:
+        out = out * a.qmask[:, None, :, None]
+    return out, S, z
+
+
+def _documents(q, k, v, w, a, cfg: OpConfig):
+    """Bidirectional packed documents: one closed form per document (positions already resolved)."""
+    outs, Ss, zs = [], [], []
+    for d, (s, e) in enumerate(a.docs):
+        sl = lambda t: None if t is None else t[:, s:e]  # noqa: E731
+        st = None if a.state is None else LinearAttentionState(a.state.S[d : d + 1], a.state.z[d : d + 1])
+        ad = a._replace(positions=sl(a.positions), qmask=sl(a.qmask), kmask=sl(a.kmask), docs=None, state=st)
+        o, S, z = _bidirectional(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], w, ad, cfg)
+        outs.append(o), Ss.append(S), zs.append(z)
+    return torch.cat(outs, dim=2), torch.cat(Ss), torch.cat(zs)
 
 
 def rotary_linear_attention(
@@ -217,15 +159,15 @@ def rotary_linear_attention(
     with its state, and so is this op for finite features anywhere in the float32 range (see
     ``utils.normalise_scale``); a final state whose key sum overflows is a ValueError.
     """
-    a = check_args(q, k, v, causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
+    a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative)
+                   allow_negative=allow_negative))
     for name, val in (("chunk_size", chunk_size), ("block_size", block_size)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     if causal and torch.jit.is_tracing():
-        raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (an autograd "
-                           "Function that walks blocks in Python); use torch.compile instead")
+        raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
+                           "that walks blocks in Python); use torch.compile instead")
     out_dtype = v.dtype
     cdt = table_dtype(q.dtype)
     B, H, N, e = q.shape[:3] + v.shape[-1:]
@@ -241,25 +183,10 @@ def rotary_linear_attention(
             state = None if state is None else LinearAttentionState(F.pad(state.S, (0, 1)), state.z)
         a = a._replace(state=state)
         w = None if projection is None else projection.detach().to(cdt)
-        kw = dict(causal=causal, rotary=rotary, base=base, w=w, C=chunk_size, T=block_size)
-        if a.docs is not None and causal:  # packed documents in one call
-            pos = packed_positions(a.docs, a.offset, a.qmask, device=q.device) if rotary else None
-            out, S, z = _one(q, k, v, positions=pos, offset=0, qmask=a.qmask, kmask=a.kmask, state=a.state,
-                             docs=a.docs, **kw)
-        elif a.docs is None:
-            out, S, z = _one(q, k, v, positions=a.positions, offset=a.offset, qmask=a.qmask, kmask=a.kmask,
-                             state=a.state, **kw)
-        else:
-            outs, Ss, zs = [], [], []
-            for d, (s, e) in enumerate(a.docs):
-                off = a.offset[d : d + 1] if isinstance(a.offset, torch.Tensor) else a.offset
-                dmask = None if a.qmask is None else a.qmask[:, s:e]
-                st = None if a.state is None else LinearAttentionState(a.state.S[d : d + 1], a.state.z[d : d + 1])
-                pos = token_positions(off, e - s, dmask, device=q.device) if rotary else None
-                o, S, z = _one(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], positions=pos, offset=off if pos is None else 0,
-                               qmask=dmask, kmask=dmask, state=st, **kw)
-                outs.append(o), Ss.append(S), zs.append(z)
-            out, S, z = torch.cat(outs, dim=2), torch.cat(Ss), torch.cat(zs)
+        cu = () if a.docs is None else (0, *(end for _, end in a.docs))
+        cfg = OpConfig(chunk_size, block_size, a.offset if isinstance(a.offset, int) else 0, rotary, cu, float(base))
+        path = _causal if causal else _bidirectional if a.docs is None else _documents
+        out, S, z = path(q, k, v, w, a, cfg)
     out = out[..., :e].to(out_dtype)
     if not output_final_state:
         return out

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..features import favor_features
-from ..rotary import packed_positions, token_positions
-from .utils import LinearAttentionState, check_args
+from .utils import LinearAttentionState, Options, check_args
 
 __all__ = ["naive_rotary_linear_attention", "eq19_weights", "rotate_naive"]
 
@@ -45,11 +44,13 @@ def _layout(q, k, a):
     if a.docs is None:
         seg_q = torch.arange(B, device=q.device)[:, None].expand(B, N)
         seg_k = torch.arange(B, device=q.device)[:, None].expand(B, M)
-        pos = token_positions(a.offset, N, a.qmask, device=q.device)
-        pos = torch.arange(N, device=q.device)[None].expand(B, N) + a.offset if pos is None else pos
-        return pos, seg_q, seg_k, qmask, kmask
-    seg = torch.cat([torch.full((1, e - s), d, device=q.device) for d, (s, e) in enumerate(a.docs)], dim=1)
-    return packed_positions(a.docs, a.offset, a.qmask, device=q.device), seg, seg, qmask, kmask
+    else:
+        seg = [torch.full((1, e - s), d, device=q.device) for d, (s, e) in enumerate(a.docs)]
+        seg_q = seg_k = torch.cat(seg, dim=1)
+    pos = a.positions  # (resolved once by check_args; None: offset .. offset+N-1, or no rotary)
+    if pos is None:
+        pos = torch.arange(N, device=q.device)[None].expand(B, N) + (a.offset if isinstance(a.offset, int) else 0)
+    return pos, seg_q, seg_k, qmask, kmask
 
 
 def _weights(q, k, *, causal, rotary, base, projection, a):
@@ -86,9 +87,9 @@ def naive_rotary_linear_attention(
     allow_negative: bool = False,
 ):
     """The reference for ``linear_rope.rotary_linear_attention``: same signature, same result."""
-    a = check_args(q, k, v, causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
+    a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative)
+                   allow_negative=allow_negative))
     a_num, den, (fq, fk, rq, rk, seg_q, seg_k, qmask, kmask) = _weights(
         q, k, causal=causal, rotary=rotary, base=base, projection=projection, a=a)
     num = a_num @ v.to(a_num.dtype)  # (B, H, N, e)
@@ -127,7 +128,7 @@ def eq19_weights(
     Its rows sum to 1 only without rotation: Eq. 19 rotates the numerator alone.
     """
     v = q.new_zeros(q.shape[:-1] + (1,))
-    a = check_args(q, k, v, causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
-                   mask=mask, key_mask=None, cu_seqlens=None, initial_state=None, allow_negative=False)
+    a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
+                   mask=mask, key_mask=None, cu_seqlens=None, initial_state=None, allow_negative=False))
     a_num, den, _ = _weights(q, k, causal=causal, rotary=rotary, base=base, projection=projection, a=a)
     return a_num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)

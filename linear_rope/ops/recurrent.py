@@ -3,6 +3,9 @@
 Eq. 19 for the token at position p, from the state (S, z) of the tokens before it::
 
     S' = S + (R_p phi(k)) v^T,   z' = z + phi(k),   out = (R_p phi(q))^T S' / phi(q)^T z'
+
+``recurrent_rotary_linear_attention`` walks a whole sequence this way, with the signature and
+the return type of the chunked and naive paths.
 """
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import torch
 
 from ..features import favor_features
 from ..rotary import check_offset, rotary_tables, rotate_with_tables, table_dtype
-from .utils import LinearAttentionState, check_args, check_final_state, normalise_scale
+from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
-__all__ = ["rotary_linear_attention_step"]
+__all__ = ["rotary_linear_attention_step", "recurrent_rotary_linear_attention"]
 
 
 def rotary_linear_attention_step(
@@ -47,9 +50,9 @@ def rotary_linear_attention_step(
             raise ValueError(f"{name} must be a tensor [B, H, .] (one token), got {got}")
     B = q_t.shape[0]
     position = check_offset(position, "position", rows=B)
-    a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None], causal=True, rotary=rotary, offset=position,
-                   base=base, projection=projection, mask=None, key_mask=None, cu_seqlens=None,
-                   initial_state=state, allow_negative=allow_negative)
+    a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None],
+                   Options(rotary=rotary, offset=position, base=base, projection=projection, initial_state=state,
+                           allow_negative=allow_negative))
     out_dtype = v_t.dtype
     cdt = table_dtype(q_t.dtype)
     state, sk = a.state, None
@@ -76,3 +79,54 @@ def rotary_linear_attention_step(
         den = (q_t * z).sum(-1)  # (B, H)
         out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
     return out.to(out_dtype), (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))
+
+
+def recurrent_rotary_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    rotary: bool = True,
+    offset: int | torch.Tensor = 0,
+    base: float = 10000.0,
+    projection: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_state: LinearAttentionState | None = None,
+    output_final_state: bool = False,
+    allow_negative: bool = False,
+):
+    """The recurrent path over a whole sequence: the signature and the result of
+    ``rotary_linear_attention`` (causal only), token by token through
+    ``rotary_linear_attention_step``, as decoding runs it. O(N) Python steps: a reference for
+    decoding, not a fast path. Tensors `[B, H, N, .]`; returns `[B, H, N, e]` or ``(out, state)``.
+    """
+    a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
+                   mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                   allow_negative=allow_negative))
+    if not causal:
+        raise ValueError("causal: the recurrent path walks tokens in order; it is causal only")
+    B, H, N, e = q.shape[:3] + v.shape[-1:]
+    docs = [(0, N)] if a.docs is None else a.docs
+    outs, states = [], []
+    for d, (s, end) in enumerate(docs):
+        rows = slice(None) if a.docs is None else slice(d, d + 1)
+        state = None if a.state is None else LinearAttentionState(a.state.S[rows], a.state.z[rows])
+        for t in range(s, end):
+            pos = a.positions[:, t] if a.positions is not None else a.offset + t - s
+            o, new = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, pos, rotary=rotary,
+                                                  base=base, projection=projection, allow_negative=True)
+            if a.kmask is not None:  # a masked token leaves the state as it was and outputs 0
+                real = a.kmask[:, t].view(B, 1, 1)
+                old = state or LinearAttentionState(torch.zeros_like(new.S), torch.zeros_like(new.z))
+                new = LinearAttentionState(torch.where(real[..., None], new.S, old.S), torch.where(real, new.z, old.z))
+                o = o * real.to(o.dtype)
+            outs.append(o)
+            state = new
+        states.append(state)
+    out = torch.stack(outs, dim=2)
+    if not output_final_state:
+        return out
+    return out, LinearAttentionState(torch.cat([st.S for st in states]), torch.cat([st.z for st in states]))

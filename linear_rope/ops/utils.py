@@ -12,7 +12,7 @@ import torch
 
 from ..rotary import check_offset, token_positions
 
-__all__ = ["LinearAttentionState", "Args", "check_args", "check_state", "check_mask", "check_cu_seqlens",
+__all__ = ["LinearAttentionState", "Args", "Options", "check_args", "check_state", "check_mask", "check_cu_seqlens",
            "normalise_scale", "check_final_state"]
 
 
@@ -34,7 +34,7 @@ class LinearAttentionState(NamedTuple):
 class Args(NamedTuple):
     """The checked arguments, in the form the paths consume."""
 
-    positions: torch.Tensor | None  # (B, N) long; None: offset .. offset+N-1 for every row
+    positions: torch.Tensor | None  # (B, N) long with rotary; None: offset .. offset+N-1 for every row
     offset: int | torch.Tensor  # int, or (B,) / (D,) long per row or document
     qmask: torch.Tensor | None  # (B, N) bool: outputs at False are 0
     kmask: torch.Tensor | None  # (B, M) bool: keys at False add nothing
@@ -150,10 +150,24 @@ def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_s
     return LinearAttentionState(S, z)
 
 
-def check_args(
-    q, k, v, *, causal, rotary, offset, base, projection, mask, key_mask, cu_seqlens, initial_state, allow_negative
-) -> Args:
+class Options(NamedTuple):
+    """The keywords the three paths share (their one signature), as ``check_args`` reads them."""
+
+    causal: bool = True
+    rotary: bool = True
+    offset: int | torch.Tensor = 0
+    base: float = 10000.0
+    projection: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    initial_state: LinearAttentionState | None = None
+    allow_negative: bool = False
+
+
+def check_args(q, k, v, opts: Options) -> Args:
     """Every check of ``rotary_linear_attention``; ValueError naming the argument."""
+    causal, rotary, offset, base, projection, mask, key_mask, cu_seqlens, initial_state, allow_negative = opts
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -205,6 +219,6 @@ def check_args(
         kmask = check_mask(key_mask, "key_mask", (B, M))
     state = check_state(initial_state, rows, H, m, v.shape[-1])
     positions = None
-    if docs is None and rotary:
-        positions = token_positions(offset, N, qmask, device=q.device)
+    if rotary:  # the positions every path uses, packed documents included
+        positions = token_positions(offset, N, qmask, device=q.device, docs=docs)
     return Args(positions, offset, qmask, kmask, docs, m, state)
