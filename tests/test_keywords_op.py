@@ -406,6 +406,8 @@ def test_negative_features_are_refused_under_compile():
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+# torch (2.13) deprecates jit.trace itself; the test checks what the op does when traced anyway.
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 def test_jit_trace_causal_is_refused_bidirectional_traces():
     q, k, v, _ = _small()
     with pytest.raises(RuntimeError, match="jit.trace cannot record the causal path.*use torch.compile"):

@@ -31,7 +31,10 @@ def test_ci_runs_the_readme_set_up_and_test_command():
                       '&& pip install -e ".[dev]"')
     assert 'python -m pip install --quiet torch==2.13.0' in ci
     assert 'python -m pip install --quiet -e ".[dev]"' in ci
-    assert ci[-1] == "python -m pytest -q"
+    # exactly the README's test command, followed only by the mutant check (tests/mutants.py)
+    assert "python -m pytest -q" in ci
+    after = [line for line in ci[ci.index("python -m pytest -q") + 1:] if not line.startswith("#")]
+    assert after == ["python tests/mutants.py"], after
     assert "\n```bash\npython -m pytest -q\n```\n" in readme
 
 
