@@ -239,3 +239,41 @@ def test_sm90_compile(aot_jobs):
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert all(0 < r["shared_bytes"] <= H100_SMEM_PER_BLOCK for r in rows)
+
+
+def test_public_op_layer_and_lm_take_the_kernels_when_forced(monkeypatch):
+    """LINEAR_ROPE_BACKEND=triton routes the public op (and so the layer and the LM) to the
+    kernels, here through the interpreter; the answers equal the torch path's in float64, outputs
+    and gradients, and the kernels were really called."""
+    import linear_rope
+    from linear_rope.ops.triton import chunk as triton_chunk
+
+    calls = []
+    real = triton_chunk.rotary_linear_attention
+    monkeypatch.setattr(triton_chunk, "rotary_linear_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    (q, k, v), w = _inputs(torch.float64, 21, fused=True, B=2, H=2)
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, :5] = False
+    kw = dict(projection=w, mask=mask, offset=torch.tensor([0, 7]), output_final_state=True)
+    monkeypatch.setenv(ENV_VAR, "torch")
+    ref, ref_state = linear_rope.rotary_linear_attention(q, k, v, **kw)
+    up = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * up).sum() + ref_state.S.sum(), (q, k, v))
+    assert not calls
+    monkeypatch.setenv(ENV_VAR, "triton")
+    out, state = linear_rope.rotary_linear_attention(q, k, v, **kw)
+    assert calls
+    g = torch.autograd.grad((out * up).sum() + state.S.sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(state.S, ref_state.S, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    torch.manual_seed(0)
+    lm = linear_rope.PerformerLM(linear_rope.ModelConfig(dim=16, depth=1, heads=2, dim_head=8, nb_features=10,
+                                                         seq_len=32)).double()
+    ids = torch.randint(0, 256, (2, 13))
+    calls.clear()
+    logits_triton = lm(ids)
+    assert calls
+    monkeypatch.setenv(ENV_VAR, "torch")
+    torch.testing.assert_close(logits_triton, lm(ids), rtol=1e-10, atol=1e-10)

@@ -1,5 +1,5 @@
 """Prototype, run on issue27-ops-done (chunk_blocks.use_compile, removed since): the Inductor-compiled
-block functions vs eager, side by side. Kept as the record of the measurement in docs/performance-ops.md."""
+block functions vs eager, side by side. Kept as the record of the measurement in docs/performance.md (issue 22 ops section)."""
 import os, sys, time, statistics
 import torch
 from benchmarks.common import setup

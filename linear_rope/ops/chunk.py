@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..features import favor_features
+from .triton.dispatch import should_use_triton
 from ..rotary import rotary_tables, rotate_with_tables, table_dtype
 from .chunk_op import chunk_causal
 from .layout import OpConfig
@@ -155,6 +156,12 @@ def rotary_linear_attention(
         Double backward is not supported (one-line RuntimeError); nor is ``torch.jit.trace`` of
         the causal path (use ``torch.compile``). B = 0, H = 0 or e = 0 give empty results.
 
+    Backends: a causal call takes the fused Triton kernels (``linear_rope.ops.triton``) where the
+    tensors are on CUDA, Triton is installed and the kernels take the call; the torch path
+    otherwise. ``LINEAR_ROPE_BACKEND=torch|triton|auto`` forces either (``triton`` raises with the
+    reason for a call the kernels do not take). Inside ``torch.compile`` the op is the custom op
+    ``linear_rope::chunk_causal`` (the torch path) whatever the backend.
+
     Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
     with its state, and so is this op for finite features anywhere in the float32 range (see
     ``utils.normalise_scale``); a final state whose key sum overflows is a ValueError.
@@ -168,6 +175,14 @@ def rotary_linear_attention(
     if causal and torch.jit.is_tracing():
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
+    if causal and not torch.compiler.is_compiling():
+        kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
+                  key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                  output_final_state=output_final_state, allow_negative=allow_negative)
+        if should_use_triton(q, k, v, **kw):  # CUDA + Triton (or LINEAR_ROPE_BACKEND=triton)
+            from .triton import rotary_linear_attention as triton_op
+
+            return triton_op(q, k, v, **kw)
     out_dtype = v.dtype
     cdt = table_dtype(q.dtype)
     B, H, N, e = q.shape[:3] + v.shape[-1:]

@@ -12,7 +12,7 @@ import torch
 
 from ...features import key_exponent_floor, pair_shift
 from ...rotary import rotary_tables, table_dtype
-from ..utils import LinearAttentionState, check_args
+from ..utils import LinearAttentionState, Options, check_args
 from . import kernels as K
 from .dispatch import pick_config, supports
 
@@ -133,7 +133,7 @@ def rotary_linear_attention(
     """
     kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
               key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state, allow_negative=allow_negative)
-    a = check_args(q, k, v, **kw)
+    a = check_args(q, k, v, Options(**kw))
     ok, why = supports(q, k, v, output_final_state=output_final_state, **kw)
     if not ok:
         raise ValueError(f"rotary_linear_attention (triton): {why}")

@@ -20,7 +20,7 @@ __all__ = ["BACKENDS", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", "dispatch_config
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton")
 MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the sm_90 compile test checks this size
-NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu-triton.md)
+NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu.md)
 NUM_WARPS = 8  # 256 threads share each program's tiles: fewer registers per thread (and spills) than 4 warps
 CHUNK = 32  # tokens per chunk: 64 spilled more on sm_90 (5.6 KB against 1.3 KB in the bf16 backward)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,7 +41,7 @@ def pick_config(dtype: torch.dtype) -> dict:
 
     C = 32 tokens per chunk; BP = 32 rotation pairs per program (m = 266 is 133 pairs: 5
     blocks, 17% padding); BD = BE = 64: d and e padded to 64 (the paper's head size; smaller
-    heads pay for the padding); 8 warps, 1 stage (see docs/gpu-triton.md for the sm_90 builds). GEMM precision: TF32 for bf16 / fp16 inputs (they carry 8-11
+    heads pay for the padding); 8 warps, 1 stage (see docs/gpu.md for the sm_90 builds). GEMM precision: TF32 for bf16 / fp16 inputs (they carry 8-11
     bits; TF32 keeps 10), TF32x3 (about fp32 accuracy on tensor cores) for fp32 inputs, fp64
     for fp64 (the interpreter only: on CUDA float64 takes the torch path)."""
     prec = {torch.float16: "tf32", torch.bfloat16: "tf32", torch.float32: "tf32x3"}.get(dtype, "ieee")
