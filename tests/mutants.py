@@ -101,6 +101,8 @@ MUTANTS = [
     Mutant("feature scale not normalised", OPS + "utils.py",
            "    return q / sq, k / sk, state, sk", "    return q, k, state, torch.ones_like(sk)",
            ["tests/test_keywords_op.py", "-k", "scale and fp32"]),
+    Mutant("workspace hands out buffers still in use", OPS + "workspace.py",
+           "            if _use_count(b) == idle:", "            if True:", ["tests/test_workspace.py"]),
     Mutant("feature-sign check skipped under torch.compile", OPS + "utils.py",
            "        torch._assert_async(t.detach().min() >= 0, msg)\n", "",
            ["tests/test_keywords_op.py", "-k", "under_compile"]),

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..features import favor_exp_, favor_inputs
+from . import workspace
 
 __all__ = ["Walk", "Favor", "KEEP_FEATURES_BYTES", "KEPT", "keep_plan", "causal_forward", "block_features",
            "chunk_major", "bmm_batch", "rotate", "prefix_", "block_rot", "safe_den"]
@@ -226,7 +227,7 @@ def keep_plan(sizes, fused: bool, rotary: bool, like, sizes_only: bool = False):
         if names and size <= left:
             left -= size
             plan.update({n: want[n] for n in names})
-    return plan if sizes_only else {n: like.new_empty(s) for n, s in plan.items()}
+    return plan if sizes_only else {n: workspace.empty(s, like) for n, s in plan.items()}
 
 
 def block_slices(bufs, c0, c1):
