@@ -17,10 +17,11 @@ flags() {
     qk) echo --lr 2e-3 --qk-norm ;;
     qk-lr4e-3) echo --lr 4e-3 --qk-norm ;;
     qk-noredraw) echo --lr 2e-3 --qk-norm --feature-redraw-interval 0 ;;
+    lr1e-3) echo --lr 1e-3 ;;
     *) echo "unknown candidate $1" >&2; exit 2 ;;
   esac
 }
-for name in ${@:-old qk qk-lr4e-3 qk-noredraw}; do
+for name in ${@:-old qk qk-lr4e-3 qk-noredraw lr1e-3}; do
   f=$(flags "$name") || exit 2
   run "$name" $f
 done
