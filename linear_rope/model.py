@@ -70,6 +70,10 @@ MODEL_PRESETS: dict[str, dict] = {
     # 12 layers, narrow enough that a 20M-byte run fits in about an hour on one CPU core: the
     # preset of the issue-15 ablation (width, batch and lr from a sweep on `none`, see README).
     "cpu20m": dict(dim=64, depth=12, heads=2, dim_head=32, nb_features=32, seq_len=256),
+    # cpu20m's model with issue 24's recipe, chosen on `none` alone (results/sweep24): q and k
+    # normalised with a learned per-head scale before the feature map, no FAVOR+ redraws.
+    "cpu40m": dict(dim=64, depth=12, heads=2, dim_head=32, nb_features=32, seq_len=256, qk_norm=True,
+                   feature_redraw_interval=0),
     # For tests.
     "tiny": dict(dim=32, depth=2, heads=2, dim_head=8, nb_features=16, seq_len=32),
 }

@@ -205,3 +205,17 @@ def test_on_the_shared_sample(tmp_path):
     val, test = ckpt["metrics"]["val_bpc"], ckpt["metrics"]["test_bpc"]
     assert 7 < val < 8.5 and 7 < test < 8.5  # ~log2(256) = 8 after 2 steps
     assert f"{val:8.4f}" in stdout
+
+
+def test_cpu40m_is_cpu20m_with_issue24s_recipe_and_twice_the_bytes():
+    """The recipe chosen on `none` (results/sweep24) changes only qk_norm and the redraws; the
+    old recipe stays reachable as --preset cpu20m (or cpu40m with --no-qk-norm
+    --feature-redraw-interval 1000)."""
+    old, new = MODEL_PRESETS["cpu20m"], MODEL_PRESETS["cpu40m"]
+    assert {k: v for k, v in new.items() if k not in ("qk_norm", "feature_redraw_interval")} == old
+    assert new["qk_norm"] and new["feature_redraw_interval"] == 0
+    assert "qk_norm" not in old and ModelConfig().feature_redraw_interval == 1000 and not ModelConfig().qk_norm
+    t_old, t_new = config.TRAIN_PRESETS["cpu20m"], config.TRAIN_PRESETS["cpu40m"]
+    assert {k: v for k, v in t_new.items() if k != "steps"} == {k: v for k, v in t_old.items() if k != "steps"}
+    bytes_per_step = t_new["batch_size"] * new["seq_len"]
+    assert t_new["steps"] * bytes_per_step >= 40_000_000 and t_old["steps"] * bytes_per_step >= 20_000_000
