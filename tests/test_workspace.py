@@ -77,3 +77,20 @@ def test_pending_backwards_keep_their_own_buffers():
     # every graph is gone: a new call of the same shapes takes the pooled buffers, no new ones
     rotary_linear_attention(*_inputs(4), projection=w).sum().backward()
     assert workspace.held_bytes() == held3
+
+
+def test_a_new_size_evicts_idle_buffers_of_old_sizes_not_buffers_in_use(monkeypatch):
+    monkeypatch.setattr(workspace, "LIMIT_BYTES", 1000)
+    like = torch.empty(0)
+    in_use = workspace.empty((100,), like)  # 400 bytes, held
+    idle = workspace.empty((50,), like)  # 200 bytes
+    del idle
+    big = workspace.empty((75,), like)  # 300: 900 fit, nothing evicted
+    assert workspace.held_bytes() == 900
+    del big
+    new = workspace.empty((120,), like)  # 480: evicts the idle 50 and 75, keeps the one in use
+    assert workspace.held_bytes() == 880
+    in_use.fill_(1.0), new.fill_(2.0)
+    assert (in_use == 1).all() and (new == 2).all()
+    other = workspace.empty((100,), like)  # both held buffers in use: no room, a plain allocation
+    assert workspace.held_bytes() == 880 and other.data_ptr() not in (in_use.data_ptr(), new.data_ptr())

@@ -8,7 +8,9 @@ docs/performance.md). Here they come from a pool instead: a buffer is handed out
 nothing but the pool references its storage (the views given out, and the autograd graph that
 saved them, are gone), so a buffer still needed by a pending backward is never reused.
 
-The pool holds at most ``LIMIT_BYTES`` (above that, plain allocations); ``clear()`` releases it.
+The pool holds at most ``LIMIT_BYTES``: a size that does not fit evicts idle buffers of other
+sizes (the oldest first), and where the buffers in use leave no room it is a plain allocation;
+``clear()`` releases the pool.
 CUDA has its own caching allocator, so only CPU tensors are pooled.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _use_count(t: torch.Tensor) -> int:
 def held_bytes() -> int:
     """Bytes the pool holds (free or in use)."""
     with _lock:
-        return sum(b.numel() * b.element_size() for bufs in _pool.values() for b, _ in bufs)
+        return sum(_nbytes(b) for bufs in _pool.values() for b, _ in bufs)
 
 
 def clear() -> None:
@@ -54,9 +56,32 @@ def empty(shape, like: torch.Tensor) -> torch.Tensor:
             if _use_count(b) == idle:
                 return b.view(shape)
         size = n * like.element_size()
-        held = sum(b.numel() * b.element_size() for v in _pool.values() for b, _ in v)
-        if held + size > LIMIT_BYTES:
+        if not _make_room(size):
             return like.new_empty(shape)
         b = like.new_empty(n)
         bufs.append((b, _use_count(b)))
         return b.view(shape)
+
+
+def _nbytes(b: torch.Tensor) -> int:
+    return b.numel() * b.element_size()
+
+
+def _make_room(size: int) -> bool:
+    """Under the lock: drop idle buffers of other sizes (the oldest sizes first) until ``size``
+    more bytes fit under ``LIMIT_BYTES``; False when the buffers in use leave no room."""
+    held = sum(_nbytes(b) for v in _pool.values() for b, _ in v)
+    for key in list(_pool):
+        if held + size <= LIMIT_BYTES:
+            break
+        keep = []
+        for b, idle in _pool[key]:
+            if held + size > LIMIT_BYTES and _use_count(b) == idle:
+                held -= _nbytes(b)
+            else:
+                keep.append((b, idle))
+        if keep:
+            _pool[key] = keep
+        else:
+            del _pool[key]
+    return held + size <= LIMIT_BYTES
