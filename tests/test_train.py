@@ -208,14 +208,16 @@ def test_on_the_shared_sample(tmp_path):
 
 
 def test_cpu40m_is_cpu20m_with_issue24s_recipe_and_twice_the_bytes():
-    """The recipe chosen on `none` (results/sweep24) changes only qk_norm and the redraws; the
-    old recipe stays reachable as --preset cpu20m (or cpu40m with --no-qk-norm
-    --feature-redraw-interval 1000)."""
+    """The recipe chosen on `none` (results/sweep24) changes only qk_norm, the redraws and the lr;
+    the old recipe stays reachable as --preset cpu20m (or cpu40m with --no-qk-norm
+    --feature-redraw-interval 1000 --lr 2e-3)."""
     old, new = MODEL_PRESETS["cpu20m"], MODEL_PRESETS["cpu40m"]
     assert {k: v for k, v in new.items() if k not in ("qk_norm", "feature_redraw_interval")} == old
     assert new["qk_norm"] and new["feature_redraw_interval"] == 0
     assert "qk_norm" not in old and ModelConfig().feature_redraw_interval == 1000 and not ModelConfig().qk_norm
     t_old, t_new = config.TRAIN_PRESETS["cpu20m"], config.TRAIN_PRESETS["cpu40m"]
-    assert {k: v for k, v in t_new.items() if k != "steps"} == {k: v for k, v in t_old.items() if k != "steps"}
+    assert {k: v for k, v in t_new.items() if k not in ("steps", "lr")} == \
+        {k: v for k, v in t_old.items() if k not in ("steps", "lr")}
+    assert (t_old["lr"], t_new["lr"]) == (2e-3, 4e-3)
     bytes_per_step = t_new["batch_size"] * new["seq_len"]
     assert t_new["steps"] * bytes_per_step >= 40_000_000 and t_old["steps"] * bytes_per_step >= 20_000_000
