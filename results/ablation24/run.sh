@@ -7,7 +7,9 @@
 #   RUNS=/work/runs24 nohup nice -n 19 bash results/ablation24/run.sh > /work/runs24/worker-1.log 2>&1 &
 #   sleep 5; RUNS=/work/runs24 nohup nice -n 19 bash results/ablation24/run.sh > /work/runs24/worker-2.log 2>&1 &
 # Logs: $RUNS/<group>-<variant>-seed<s>.log; runs: $RUNS/main/<variant>-seed<s>, $RUNS/m128/...
+# `python` must be the project's venv (activate it first).
 set -u
+python -c "import torch, linear_rope" || { echo "python cannot import torch and linear_rope: activate the venv" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 runs=${RUNS:-/work/runs24}
 common=(--preset cpu40m --threads 1 --data ../shared/data/enwiki-sample.xml.bz2 --data-dir "$runs/data"
@@ -34,5 +36,6 @@ for item in "${queue[@]}"; do
   echo "$(date -u +%FT%TZ) $name: start"
   python train_enwik8.py "${common[@]}" "${extra[@]}" --variants "$v" --seeds "$s" --out "$runs/$group" \
     >> "$runs/$name.log" 2>&1
-  echo "$(date -u +%FT%TZ) $name: exit $?"
+  rc=$?
+  echo "$(date -u +%FT%TZ) $name: exit $rc"
 done
