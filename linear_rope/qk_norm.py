@@ -5,7 +5,7 @@ Each head's q and k are scaled to unit L2 norm and then by a learned scale per h
 scale rather than by how far the projections have grown. FAVOR+'s error grows with
 ``exp(|q'|^2 + |k'|^2)`` (``x' = x d^(-1/4)``) and its key features underflow when ``|k'|`` is
 large, so an unbounded key norm is what made Eq. 19 and ``none`` unstable at lr 2e-3 in the
-cpu20m ablation (key norms 223-337 against 21-52 in rope_norm, ``results/key_norms.txt``).
+cpu20m ablation (key norms 223-337 against 21-52 in rope_norm, ``results/cpu20m/key_norms.txt``).
 
 The scale starts at ``d^(1/4)``: ``|x'| = 1`` and the softmax logits start within [-1, 1].
 """

@@ -61,6 +61,29 @@ def test_eq19_weights_reproduce_the_layer_and_their_row_sums(position):
     torch.testing.assert_close(w @ v[0, 1], attn._renormalise(out)[0, 1], rtol=1e-10, atol=1e-12)
 
 
+def test_softmax_weights_reproduce_the_layer():
+    """The anchor's W is the exact causal softmax of the rotated scores: W @ v is its head output."""
+    torch.manual_seed(2)
+    model = PerformerLM(ModelConfig(**{**MODEL_PRESETS["tiny"], "position": "softmax", "qk_norm": True})).double()
+    ids = torch.randint(256, (32,))
+    w, sums = analysis.eq19_weights(model, ids, layer=1, head=1)
+    assert torch.equal(w.triu(1), torch.zeros_like(w)) and w[0, 0] == 1
+    torch.testing.assert_close(sums, torch.ones(32, dtype=torch.float64), rtol=0, atol=1e-12)
+    seen = {}
+    attn = model.blocks[1].attn
+    h = attn.register_forward_hook(lambda m, a, o: seen.update(x=a[0], out=o))
+    model(ids[None])
+    h.remove()
+    _, _, v = attn._qkv(seen["x"])
+    heads = torch.zeros(1, attn.heads, 32, attn.dim_head, dtype=torch.float64)
+    heads[0, 1] = w @ v[0, 1]
+    # the layer's output less head 0's share through to_out is head 1's share
+    w0, _ = analysis.eq19_weights(model, ids, layer=1, head=0)
+    heads[0, 0] = w0 @ v[0, 0]
+    torch.testing.assert_close(attn._project_out(heads, seen["x"]), seen["out"], rtol=1e-10, atol=1e-12)
+    assert analysis.row_sums(model, ids).eq(1).all()
+
+
 @pytest.mark.parametrize("position", ["rope", "rope_pre", "rope_norm", "none", "absolute"])
 def test_row_sums_of_every_layer_equal_those_of_eq19_weights(position):
     torch.manual_seed(1)
@@ -98,7 +121,7 @@ def test_steps_to_reach_interpolates():
 def test_plots_all_writes_every_file(tmp_path, corpus):
     pytest.importorskip("matplotlib")
     runs = tmp_path / "runs"
-    code, _, err = run_main(["--preset", "tiny", "--variants", "rope,rope_norm,none", "--seeds", "0,1",
+    code, _, err = run_main(["--preset", "tiny", "--variants", "rope,rope_norm,none,softmax", "--seeds", "0,1",
                              "--steps", "6", "--eval-every", "3", "--log-every", "1",
                              "--data", str(corpus), "--data-dir", str(tmp_path / "data"),
                              "--out", str(runs)])
@@ -141,8 +164,19 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     assert best[0] in (3, 6) and best[1] == min(float(r["val/bpc"]) for r in
                                                 plots.read_csv(out / "curves/rope-seed1.csv") if r["val/bpc"])
     assert rope["test_bpc_per_seed"] == pytest.approx(rope["final_test_bpc"]["values"])
+    vals = [float(r["val/bpc"]) for r in plots.read_csv(out / "curves/rope-seed1.csv") if r["val/bpc"]]
+    assert rope["max_val_rise"][1] == pytest.approx(max(vals[1] - vals[0], 0.0))
     assert (f"| `rope` | 1 | {rope['final_val_bpc']['values'][1]:.3f} | {rope['test_bpc_per_seed'][1]:.3f} | "
-            f"{best[1]:.3f} ({best[0]}) | 0 |") in table
+            f"{best[1]:.3f} ({best[0]}) | {rope['max_val_rise'][1]:.3f} | 0 |") in table
+    # the anchor: every variant against softmax, seed by seed
+    paired = summary["paired_final_val_bpc"]
+    assert set(paired) == {"rope - softmax", "rope_norm - softmax", "none - softmax"}
+    soft = summary["variants"]["softmax"]["final_val_bpc"]["values"]
+    diffs = [a - b for a, b in zip(rope["final_val_bpc"]["values"], soft)]
+    assert paired["rope - softmax"]["values"] == pytest.approx(diffs) and paired["rope - softmax"]["seeds"] == [0, 1]
+    assert f"| `rope` − `softmax` | {plots._ms(paired['rope - softmax'])} | {diffs[0]:+.3f} (seed 0)" in table
+    assert summary["row_sums_at_lengths"]["softmax"]["8L"]["min"]["mean"] == 1.0
+    assert summary["attention_row_sums"]["softmax"]["max"] == pytest.approx(1.0)
     # the Eq. 19 image sits in the run's TensorBoard events
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(str(runs / "rope-seed0"))

@@ -8,7 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 REPORT = ROOT / "results" / "README.md"
-DOCS = [README, REPORT, *sorted((ROOT / "docs").glob("*.md"))]
+REPORTS = sorted((ROOT / "results").glob("**/README.md"))
+# the folder (under results/) whose summary.json the README's headline table comes from
+HEADLINE = ROOT / "results" / "cpu20m"
+DOCS = [README, *REPORTS, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_readme_api_snippet_runs():
@@ -51,20 +54,25 @@ def _figures_not_in(prose: str, generated: str) -> list[str]:
 
 
 def test_results_report_tables_are_generated_from_summary_json():
-    """results/README.md's tables are `python -m linear_rope.plots tables` of results/ (the cpu20m
-    ablation) and of results/cpu2m/ (the earlier 2M-byte runs), verbatim; and every 3-decimal
-    figure in its prose appears in those tables (or in the sweep's CSV)."""
+    """Every ``tables:<name>`` block of the results reports (results/**/README.md) is
+    `python -m linear_rope.plots tables` of results/<name>/, verbatim; and every 3-decimal figure
+    in a report's prose appears in the generated tables (or in a sweep's CSV)."""
     from linear_rope.results import plots
 
-    report = REPORT.read_text()
-    generated = ""
-    for name, out in (("cpu20m", ROOT / "results"), ("cpu2m", ROOT / "results" / "cpu2m")):
-        table = plots.tables(out)
-        assert _between(report, name).strip() == table.strip(), f"results/README.md {name} tables are stale"
-        generated += table
-    generated += (ROOT / "results" / "sweep" / "none-cpu20m-sweep.csv").read_text()  # the preset's sweep
-    missing = _figures_not_in(report, generated)
-    assert not missing, f"results/README.md figures not in the generated tables: {missing}"
+    sweeps = "".join(p.read_text() for p in sorted((ROOT / "results").glob("sweep*/*.csv")))
+    seen, generated = set(), sweeps
+    for doc in REPORTS:
+        text = doc.read_text()
+        for name in re.findall(r"<!-- tables:(\w+) begin -->", text):
+            table = plots.tables(ROOT / "results" / name)
+            assert _between(text, name).strip() == table.strip(), f"{doc.relative_to(ROOT)}: {name} tables are stale"
+            generated += table
+            seen.add(name)
+    for doc in REPORTS:  # a report may quote another's table (the cpu20m report quotes cpu2m)
+        if "<!-- tables:" in doc.read_text():
+            missing = _figures_not_in(doc.read_text(), generated)
+            assert not missing, f"{doc.relative_to(ROOT)}: figures not in the generated tables: {missing}"
+    assert {"cpu20m", "cpu2m", HEADLINE.name} <= seen
 
 
 def test_readme_headline_table_is_generated_from_summary_json():
@@ -73,14 +81,14 @@ def test_readme_headline_table_is_generated_from_summary_json():
     from linear_rope.results import plots
 
     section = README.read_text().split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
-    assert _between(section, "headline").strip() == plots.headline(ROOT / "results").strip()
-    assert not _figures_not_in(section, plots.tables(ROOT / "results"))
+    assert _between(section, "headline").strip() == plots.headline(HEADLINE).strip()
+    assert not _figures_not_in(section, plots.tables(HEADLINE))
     assert "(results/README.md)" in section
 
 
 def test_relative_links_and_images_resolve():
     """The long material moved out of the README: every relative link or image in the README,
-    docs/ and results/README.md names a file that exists (anchors are not checked)."""
+    docs/ and the results reports names a file that exists (anchors are not checked)."""
     broken = []
     for doc in DOCS:
         for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):

@@ -45,7 +45,8 @@ def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
 
     ``W[m, n] = (R_m phi(q_m))^T (R_n phi(k_n)) / sum_{n' <= m} phi(q_m)^T phi(k_{n'})`` for
     ``n <= m`` (Eq. 19; without ``R`` for the other variants, whose rows sum to 1; ``rope_norm``
-    divides each row by its sum floored at ``ROW_SUM_FLOOR``), so that the
+    divides each row by its sum floored at ``ROW_SUM_FLOOR``; ``softmax``: the exact causal
+    softmax of the rotated scores), so that the
     head's output is ``W @ v``. ids: `[N]` bytes. Returns float64 ``W`` `[N, N]` and `[N]` sums.
     """
     if not 0 <= layer < len(model.blocks):
@@ -62,6 +63,13 @@ def eq19_weights(model: PerformerLM, ids: torch.Tensor, layer: int,
     finally:
         hook.remove()
         model.train(was_training)
+    if attn.position == "softmax":  # exact: softmax(R q . R k / sqrt(d)) over n <= m
+        q, k, _ = attn._qkv(seen["x"])
+        q, k = (apply_rotary(t[0, head].double(), base=attn.base) for t in (q, k))
+        scores = (q @ k.T) / q.shape[-1] ** 0.5
+        causal = torch.ones_like(scores, dtype=torch.bool).tril()
+        w = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return w, w.sum(-1)
     q, k, _ = attn._qkv(seen["x"], None)  # (1, H, N, d)
     if attn.position == "rope_pre":
         q, k = apply_rotary(q, base=attn.base), apply_rotary(k, base=attn.base)

@@ -9,7 +9,7 @@
 Eq. 19 weight matrix of one head and the row sums of every head, per variant, as PNGs and as
 TensorBoard images in the run), ``rowsums`` (row sums of every layer and head of every run at
 windows L, 2L, 4L, 8L), ``decay``, ``summary`` (``summary.json`` and the val-BPC
-figure with mean +- std bands) and ``tables`` (the markdown tables of ``results/README.md``,
+figure with mean +- std bands) and ``tables`` (the markdown tables of the reports in ``results/<folder>/``,
 printed). ``headline`` prints the top-level README's one table. Every figure is drawn from the
 CSV / JSON written beside it.
 """
@@ -349,6 +349,8 @@ def summary(runs: Path, out: Path) -> dict:
                  # the lowest val BPC of each seed and its step: did it get worse after it?
                  "best_val_bpc": [list(min(col(rs, "val/bpc"), key=lambda sv: sv[1])) for rs in seeds.values()],
                  "test_bpc_per_seed": test_per_seed,
+                 # per seed: the largest rise of val BPC from one evaluation to the next (0: none)
+                 "max_val_rise": [_max_rise(col(rs, "val/bpc")) for rs in seeds.values()],
                  # the training BPC of the last few hundred steps (EMA) beside val: do they part?
                  "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
                                                         for rs in seeds.values()]),
@@ -375,6 +377,7 @@ def summary(runs: Path, out: Path) -> dict:
             entry["redraw_jump_train_bpc"] = _mean_std([statistics.mean(j) for j in jumps if j])
         result["variants"][variant] = entry
     result["none_final_val_bpc_mean"] = none_final
+    result["paired_final_val_bpc"] = _paired(result["variants"])
     if (out / "extrapolation.csv").is_file():
         ext = defaultdict(lambda: defaultdict(list))
         for r in read_csv(out / "extrapolation.csv"):
@@ -402,6 +405,30 @@ def summary(runs: Path, out: Path) -> dict:
     _curves_figure(variants, out / "val_bpc.png")
     print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
     return result
+
+
+def _max_rise(curve: list[tuple[int, float]]) -> float:
+    """The largest increase from one point of ``curve`` to the next (0.0 if it never rises)."""
+    return max([b - a for (_, a), (_, b) in zip(curve, curve[1:])] + [0.0])
+
+
+PAIRS = (("rope", "rope_pre"), ("rope_norm", "rope_pre"), ("none", "rope_pre"))
+
+
+def _paired(variants: dict) -> dict:
+    """Final val BPC differences ``a - b`` over the seeds both variants ran (runs with the same
+    seed share the initial weights, the projections and the data order): every variant against
+    ``softmax``, and the pairs of ``PAIRS``. ``{"a - b": mean, std, n, values, seeds}``."""
+    pairs = [(v, "softmax") for v in ORDER if v != "softmax"] + list(PAIRS)
+    out = {}
+    for a, b in pairs:
+        if a not in variants or b not in variants:
+            continue
+        va, vb = (dict(zip(variants[x]["seeds"], variants[x]["final_val_bpc"]["values"])) for x in (a, b))
+        seeds = sorted(set(va) & set(vb))
+        if seeds:
+            out[f"{a} - {b}"] = {**_mean_std([va[s] - vb[s] for s in seeds]), "seeds": seeds}
+    return out
 
 
 def _redraw_jumps(curve: list[tuple[int, float]], interval: int, width: int = 50) -> list[float]:
@@ -469,7 +496,7 @@ def headline(out: Path) -> str:
 
 
 def tables(out: Path) -> str:
-    """The results report's tables (markdown, ``results/README.md``) from ``summary.json``."""
+    """The results report's tables (markdown, the reports under ``results/``) from ``summary.json``."""
     s = json.loads((out / "summary.json").read_text())
     ms = _ms
     order = [v for v in ORDER if v in s["variants"]]
@@ -494,7 +521,8 @@ def tables(out: Path) -> str:
                      f"{', '.join(f'{m:.0f}' for m in e['wall_minutes'])} |")
     if any(len(s["variants"][v]["seeds"]) > 1 for v in order):
         lines += ["", "| variant | seed | final val BPC | final test BPC | lowest val BPC (step) | "
-                  "updates skipped | minutes |", "|---|---|---|---|---|---|---|"]
+                  "largest val BPC rise between evaluations | updates skipped | minutes |",
+                  "|---|---|---|---|---|---|---|---|"]
         for v in order:
             e = s["variants"][v]
             test = e.get("test_bpc_per_seed") or [None] * len(e["seeds"])
@@ -503,8 +531,16 @@ def tables(out: Path) -> str:
                 lines.append(f"| `{v}` | {seed} | {e['final_val_bpc']['values'][i]:.3f} | "
                              + ("–" if test[i] is None else f"{test[i]:.3f}") + " | "
                              + (f"{best[1]:.3f} ({best[0]})" if best else "–") + " | "
+                             + (f"{e['max_val_rise'][i]:.3f}" if "max_val_rise" in e else "–") + " | "
                              f"{e['skipped_steps'][i] if 'skipped_steps' in e else '–'} | "
                              f"{e['wall_minutes'][i]:.0f} |")
+    paired = s.get("paired_final_val_bpc")
+    if paired:
+        lines += ["", "| final val BPC difference (same seeds) | mean ± std | per seed |", "|---|---|---|"]
+        for name, d in paired.items():
+            a, b = name.split(" - ")
+            lines.append(f"| `{a}` − `{b}` | {ms(d)} | "
+                         + ", ".join(f"{x:+.3f} (seed {sd})" for x, sd in zip(d["values"], d["seeds"])) + " |")
     by_step = {v: s["variants"][v].get("val_bpc_by_step") for v in order}
     steps = sorted({int(k) for d in by_step.values() if d for k in d})
     if steps:

@@ -3,7 +3,7 @@ per layer the largest |k|, the smallest causal denominator sum_{n<=m} phi(q_m).p
 features, the layer's own map), and the share of key feature exponents below the float32
 floor (``linear_rope.features.key_exponent_floor``). The floor changes only those.
 
-    python results/key_norms.py RUN_DIR ... > results/key_norms.txt
+    python results/cpu20m/key_norms.py RUN_DIR ... > results/cpu20m/key_norms.txt
 """
 import sys
 
