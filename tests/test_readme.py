@@ -9,8 +9,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 REPORT = ROOT / "results" / "README.md"
 REPORTS = sorted((ROOT / "results").glob("**/README.md"))
-# the folder (under results/) whose summary.json the README's headline table comes from
-HEADLINE = ROOT / "results" / "cpu20m"
 DOCS = [README, *REPORTS, *sorted((ROOT / "docs").glob("*.md"))]
 
 
@@ -72,7 +70,9 @@ def test_results_report_tables_are_generated_from_summary_json():
         if "<!-- tables:" in doc.read_text():
             missing = _figures_not_in(doc.read_text(), generated)
             assert not missing, f"{doc.relative_to(ROOT)}: figures not in the generated tables: {missing}"
-    assert {"cpu20m", "cpu2m", HEADLINE.name} <= seen
+    from linear_rope.results.plots import HEADLINE
+
+    assert {"cpu20m", "cpu2m", HEADLINE} <= seen
 
 
 def test_readme_headline_table_is_generated_from_summary_json():
@@ -81,9 +81,24 @@ def test_readme_headline_table_is_generated_from_summary_json():
     from linear_rope.results import plots
 
     section = README.read_text().split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
-    assert _between(section, "headline").strip() == plots.headline(HEADLINE).strip()
-    assert not _figures_not_in(section, plots.tables(HEADLINE))
+    assert _between(section, "headline").strip() == plots.headline(ROOT / "results" / plots.HEADLINE).strip()
+    assert not _figures_not_in(section, plots.tables(ROOT / "results" / plots.HEADLINE))
     assert "(results/README.md)" in section
+
+
+def test_fill_rewrites_a_stale_block_and_leaves_the_rest(tmp_path):
+    """`python -m linear_rope.plots fill` is how the blocks above are kept current."""
+    import shutil
+
+    from linear_rope.results import plots
+
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    shutil.copy(README, tmp_path / "README.md")
+    assert plots.fill(tmp_path) == []  # everything is current
+    doc = tmp_path / "results" / "cpu20m" / "README.md"
+    fresh = doc.read_text()
+    doc.write_text(fresh.replace("| `rope` | 3 |", "| `rope` | 4 |", 1))
+    assert plots.fill(tmp_path) == [doc] and doc.read_text() == fresh
 
 
 def test_relative_links_and_images_resolve():

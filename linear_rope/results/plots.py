@@ -10,8 +10,9 @@ Eq. 19 weight matrix of one head and the row sums of every head, per variant, as
 TensorBoard images in the run), ``rowsums`` (row sums of every layer and head of every run at
 windows L, 2L, 4L, 8L), ``decay``, ``summary`` (``summary.json`` and the val-BPC
 figure with mean +- std bands) and ``tables`` (the markdown tables of the reports in ``results/<folder>/``,
-printed). ``headline`` prints the top-level README's one table. Every figure is drawn from the
-CSV / JSON written beside it.
+printed). ``headline`` prints the top-level README's one table, and ``fill`` (from the repository
+root) rewrites every tables block of the README and the results reports from their folders'
+summary.json. Every figure is drawn from the CSV / JSON written beside it.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_p
           "rope_norm": "tab:purple", "softmax": "black"}
 ORDER = ("softmax", "rope", "rope_pre", "rope_norm", "absolute", "none")
 FACTORS = (1, 2, 4, 8)
+# The folder under results/ whose summary.json gives the README's headline table.
+HEADLINE = "cpu20m"
+BLOCK = re.compile(r"<!-- tables:(\w+) begin -->\n.*?<!-- tables:\1 end -->", re.S)
 TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc", "train/skipped_steps")
 
 
@@ -587,6 +591,25 @@ def tables(out: Path) -> str:
     return "\n".join(lines)
 
 
+def fill(root: Path) -> list[Path]:
+    """Rewrite every ``tables:<name>`` block of ``root``/README.md and ``root``/results/**/README.md
+    from results/<name>/summary.json (``headline``: from results/``HEADLINE``). Returns the files
+    changed."""
+    changed = []
+    for doc in [root / "README.md", *sorted((root / "results").glob("**/README.md"))]:
+        text = doc.read_text()
+
+        def block(m):
+            name = m.group(1)
+            body = headline(root / "results" / HEADLINE) if name == "headline" else tables(root / "results" / name)
+            return f"<!-- tables:{name} begin -->\n{body}\n<!-- tables:{name} end -->"
+        new = BLOCK.sub(block, text)
+        if new != text:
+            atomic_write(doc, new)
+            changed.append(doc)
+    return changed
+
+
 def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int, float]]:
     """Exponential moving average with bias correction (TensorBoard-style smoothing)."""
     out, avg = [], 0.0
@@ -599,7 +622,7 @@ def _smooth(curve: list[tuple[int, float]], beta: float = 0.9) -> list[tuple[int
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m linear_rope.plots", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "rowsums", "decay",
-                                    "summary", "tables", "headline"])
+                                    "summary", "tables", "headline", "fill"])
     p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
     p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
                    help="the corpus the runs trained on (for test windows)")
@@ -611,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.what not in ("decay", "summary", "tables", "headline") and not runs.is_dir():
+    if args.what not in ("decay", "summary", "tables", "headline", "fill") and not runs.is_dir():
         p.exit(2, f"{p.prog}: error: --runs {runs} is not a directory\n")
     try:
         if args.what in ("all", "export"):
@@ -630,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
             print(tables(out))
         if args.what == "headline":
             print(headline(out))
+        if args.what == "fill":
+            for doc in fill(Path(".")):
+                print(f"refilled {doc}", file=sys.stderr)
     except (data.DataError, CheckpointError, ResultsError) as e:
         p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
     return 0
