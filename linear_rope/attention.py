@@ -6,13 +6,11 @@ token-by-token decoding with per-row positions, all on the fast path of ``linear
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .ops.utils import check_cu_seqlens, check_mask
-from .qk_norm import QKNorm
+from .projections import HeadProjections, check_sizes
 from .rotary import apply_rotary, check_offset, token_positions
 
 __all__ = ["RotaryLinearAttention", "POSITIONS"]
@@ -24,7 +22,7 @@ POSITIONS = ("rope", "rope_pre", "rope_norm", "none")
 ROW_SUM_FLOOR = 0.05
 
 
-class RotaryLinearAttention(nn.Module):
+class RotaryLinearAttention(HeadProjections):
     """Multi-head linear attention, `[B, N, dim]` -> `[B, N, dim]`.
 
     Args:
@@ -71,9 +69,7 @@ class RotaryLinearAttention(nn.Module):
         super().__init__()
         if position not in POSITIONS:
             raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
-        for name, val in (("dim", dim), ("heads", heads), ("dim_head", dim_head)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        check_sizes(dim=dim, heads=heads, dim_head=dim_head)
         if position == "rope_pre" and dim_head % 2:
             raise ValueError(f"dim_head: rope_pre rotates q and k, so it must be even, got {dim_head}")
         if feature_map not in FEATURE_KINDS:
@@ -81,31 +77,11 @@ class RotaryLinearAttention(nn.Module):
         self.features = FavorFeatures(dim_head, nb_features, kind=feature_map)
         if position in ("rope", "rope_norm") and self.features.out_features % 2:
             raise ValueError(f"nb_features: {position} rotates the features, so m must be even, got {self.features.out_features}")
-        self.heads, self.dim_head, self.causal, self.position, self.base = heads, dim_head, causal, position, base
-        inner = heads * dim_head
-        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
-        self.to_out = nn.Linear(inner, dim)
-        self.dropout = nn.Dropout(dropout)
-        self.qk_norm = QKNorm(heads, dim_head) if qk_norm else None
+        self.causal, self.position, self.base = causal, position, base
+        self._init_projections(dim, heads, dim_head, dropout, qk_norm)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim_head={self.dim_head}, causal={self.causal}, position={self.position!r}"
-
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        B, N, _ = t.shape
-        return t.view(B, N, self.heads, self.dim_head).transpose(1, 2)  # (B, H, N, d)
-
-    def _qkv(self, x, context):
-        if context is None:
-            q, k, v = (self._heads(t) for t in self.to_qkv(x).chunk(3, dim=-1))
-        else:
-            inner = self.heads * self.dim_head
-            w = self.to_qkv.weight
-            q = self._heads(F.linear(x, w[:inner]))
-            k, v = (self._heads(t) for t in F.linear(context, w[inner:]).chunk(2, dim=-1))
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q), self.qk_norm(k)
-        return q, k, v
 
     def _op_inputs(self, q, k):
         """FAVOR+ goes inside the op (fused, features never stored); elu / relu before it."""
@@ -124,11 +100,6 @@ class RotaryLinearAttention(nn.Module):
         if self.position != "rope_norm":
             return out
         return out[..., :-1] / out[..., -1:].clamp_min(ROW_SUM_FLOOR)
-
-    def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        B, H, N, d = out.shape
-        out = out.transpose(1, 2).reshape(B, N, H * d).to(x.dtype)
-        return self.dropout(self.to_out(out))
 
     def _check(self, x, context, cu_seqlens, initial_state, output_final_state):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:

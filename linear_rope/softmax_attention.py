@@ -1,6 +1,6 @@
 """SoftmaxAttention: exact causal softmax attention with RoPE, the ablation's anchor.
 
-The same projections as ``RotaryLinearAttention`` (``to_qkv``, ``to_out``, optional ``QKNorm``),
+The same projections as ``RotaryLinearAttention`` (``HeadProjections``: ``to_qkv``, ``to_out``, optional ``QKNorm``),
 RoPE (Eq. 34) on q and k, then ``scaled_dot_product_attention``. It is the row every linear
 variant is read against: what linear attention gives up at the same width, depth and data.
 Memory and time are O(N^2) per layer; decoding keeps a key/value cache (O(N) per token).
@@ -11,10 +11,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .ops.utils import check_mask
-from .qk_norm import QKNorm
+from .projections import HeadProjections, check_sizes
 from .rotary import apply_rotary, check_offset, token_positions
 
 __all__ = ["SoftmaxAttention", "KVCache"]
@@ -28,7 +27,7 @@ class KVCache(NamedTuple):
     key_mask: torch.Tensor
 
 
-class SoftmaxAttention(nn.Module):
+class SoftmaxAttention(HeadProjections):
     """Causal multi-head softmax attention with RoPE, `[B, N, dim]` -> `[B, N, dim]`.
 
     ``mask`` `[B, N]` (True = real token) works as in ``RotaryLinearAttention``: padded keys are
@@ -38,32 +37,15 @@ class SoftmaxAttention(nn.Module):
     def __init__(self, dim: int, *, heads: int = 8, dim_head: int = 64, dropout: float = 0.0,
                  base: float = 10000.0, qk_norm: bool = False):
         super().__init__()
-        for name, val in (("dim", dim), ("heads", heads), ("dim_head", dim_head)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        check_sizes(dim=dim, heads=heads, dim_head=dim_head)
         if dim_head % 2:
             raise ValueError(f"dim_head: RoPE rotates q and k, so it must be even, got {dim_head}")
-        self.heads, self.dim_head, self.base, self.causal = heads, dim_head, base, True
+        self.base, self.causal = base, True
         self.position = "softmax"  # as RotaryLinearAttention.position: the analyses read it
-        inner = heads * dim_head
-        self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)
-        self.to_out = nn.Linear(inner, dim)
-        self.dropout = nn.Dropout(dropout)
-        self.qk_norm = QKNorm(heads, dim_head) if qk_norm else None
+        self._init_projections(dim, heads, dim_head, dropout, qk_norm)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim_head={self.dim_head}, causal=True, position='rope'"
-
-    def _qkv(self, x: torch.Tensor):
-        B, N, _ = x.shape
-        q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q), self.qk_norm(k)
-        return q, k, v  # (B, H, N, d)
-
-    def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        B, H, N, d = out.shape
-        return self.dropout(self.to_out(out.transpose(1, 2).reshape(B, N, H * d).to(x.dtype)))
 
     def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, output_final_state: bool = False):
         """x `[B, N, dim]` -> `[B, N, dim]` (with ``output_final_state``: ``(out, KVCache)``)."""
