@@ -118,6 +118,30 @@ def test_steps_to_reach_interpolates():
     assert analysis.steps_to_reach(curve, 2.0) is None
 
 
+def test_power_law_fit_recovers_a_known_curve_and_where_it_reaches_a_target():
+    a, b, c = 1.8, 50.0, 0.6
+    curve = [(s, a + b * s ** -c) for s in range(490, 9801, 490)]
+    fit = analysis.fit_power_law(curve)
+    assert fit["from_step"] == 1960 and fit["n"] == 17 and fit["rmse"] < 1e-3
+    assert (fit["a"], fit["b"], fit["c"]) == pytest.approx((a, b, c), rel=0.02)
+    assert analysis.power_law_at(fit, 20000) == pytest.approx(a + b * 20000 ** -c, abs=1e-3)
+    assert analysis.power_law_steps_to(fit, 2.0) == pytest.approx((b / 0.2) ** (1 / c), rel=0.02)
+    assert analysis.power_law_steps_to(fit, 1.7) is None  # below the floor: never
+    bt = analysis.backtest_power_law(curve)
+    assert bt["fit_to_step"] == 4900 and bt["step"] == 9800 and abs(bt["error"]) < 1e-3
+
+
+def test_power_law_backtest_measures_a_curve_that_flattens_and_the_fit_refuses_what_it_cannot_fit():
+    # the law up to step 5000, then flat: a fit to the first half promises too much
+    curve = [(s, 1.0 + 20 * min(s, 5000) ** -0.5) for s in range(500, 10001, 500)]
+    assert analysis.backtest_power_law(curve)["error"] < -0.05
+    assert analysis.fit_power_law(curve[:3]) is None  # too few points
+    assert analysis.fit_power_law([(s, 2.0 + s / 1e4) for s in range(100, 1001, 100)]) is None  # rising
+    # a curve that still falls fast would fit best with a floor below 0; floors are kept >= 0
+    steep = [(s, 3.0 - s / 1000) for s in range(100, 2001, 100)]
+    assert analysis.fit_power_law(steep)["a"] >= 0
+
+
 def test_plots_all_writes_every_file(tmp_path, corpus):
     pytest.importorskip("matplotlib")
     runs = tmp_path / "runs"

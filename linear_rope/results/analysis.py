@@ -3,6 +3,7 @@ and TensorBoard curves as plain tables. No plotting here (see ``linear_rope.plot
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from ..ops import rotary_linear_attention
 from ..rotary import apply_rotary
 
 __all__ = ["rope_decay_bound", "eq19_weights", "row_sums", "bpc_at_lengths", "read_scalars", "wall_seconds",
-           "steps_to_reach"]
+           "steps_to_reach", "fit_power_law", "power_law_at", "power_law_steps_to", "backtest_power_law"]
 
 
 def rope_decay_bound(dim: int, max_distance: int, base: float = 10000.0) -> torch.Tensor:
@@ -158,3 +159,75 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | Non
             return s0 + (v0 - target) / (v0 - value) * (step - s0)
         prev = (step, value)
     return None
+
+
+def fit_power_law(curve: list[tuple[int, float]], start_frac: float = 0.2) -> dict | None:
+    """Least-squares fit of ``value ~ a + b * step**(-c)`` (``a >= 0``, ``b > 0``, ``0 < c <= 4``) to the points
+    of ``curve`` from ``start_frac`` of its last step on (the early transient is left out).
+
+    ``c`` is searched on a log grid and refined, ``a`` and ``b`` solved exactly for each ``c``. ``a`` is the
+    curve's fitted floor. A schedule that decays the learning rate to its end bends the curve
+    down there, so the fit says where *this* run's shape points, not what a longer schedule gives;
+    see ``backtest_power_law`` for how far it can be trusted. Returns ``{"a", "b", "c", "rmse",
+    "n", "from_step"}``, or ``None`` with fewer than 4 points or no decreasing fit."""
+    if not curve:
+        return None
+    first = start_frac * curve[-1][0]
+    pts = [(s, v) for s, v in curve if s >= first and s > 0]
+    if len(pts) < 4:
+        return None
+    s = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+
+    def solve(c):  # (sse, a, b, c) with a, b exact for this c; None where b <= 0 or a < 0
+        x = s ** -c
+        xm, ym = x.mean(), y.mean()
+        var = ((x - xm) ** 2).sum()
+        if var <= 0:
+            return None
+        b = ((x - xm) * (y - ym)).sum() / var
+        a = ym - b * xm
+        if b <= 0 or a < 0:  # rising, or a bits-per-byte floor below zero
+            return None
+        return (((a + b * x - y) ** 2).sum().item(), a.item(), b.item(), c)
+
+    grid = torch.logspace(-3, math.log10(4.0), 400, dtype=torch.float64).tolist()
+    best = min((r for c in grid if (r := solve(c))), default=None)
+    if best is None:
+        return None
+    i = grid.index(best[3])  # refine between the grid neighbours of the best c
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    best = min([best] + [r for c in torch.linspace(lo, hi, 201, dtype=torch.float64).tolist()
+                         if (r := solve(c))])
+    sse, a, b, c = best
+    return {"a": a, "b": b, "c": c, "rmse": (sse / len(pts)) ** 0.5, "n": len(pts), "from_step": int(pts[0][0])}
+
+
+def power_law_at(fit: dict, step: float) -> float:
+    """The fitted curve's value at ``step``."""
+    return fit["a"] + fit["b"] * step ** -fit["c"]
+
+
+def power_law_steps_to(fit: dict, target: float) -> float | None:
+    """The step where the fitted curve reaches ``target``; ``None`` if its floor ``a`` is not
+    below ``target`` (it never does)."""
+    if target <= fit["a"]:
+        return None
+    return (fit["b"] / (target - fit["a"])) ** (1 / fit["c"])
+
+
+def backtest_power_law(curve: list[tuple[int, float]], frac: float = 0.5,
+                       start_frac: float = 0.2) -> dict | None:
+    """Fit on the points up to ``frac`` of the last step, predict the last point: the measured
+    error of extrapolating this way (``predicted - measured``; negative: the fit was too hopeful).
+    Returns ``{"fit_to_step", "step", "predicted", "measured", "error"}`` or ``None``."""
+    if not curve:
+        return None
+    cut = frac * curve[-1][0]
+    fit = fit_power_law([p for p in curve if p[0] <= cut], start_frac=start_frac * frac)
+    if fit is None:
+        return None
+    step, measured = curve[-1]
+    predicted = power_law_at(fit, step)
+    return {"fit_to_step": int(max(s for s, _ in curve if s <= cut)), "step": int(step),
+            "predicted": predicted, "measured": measured, "error": predicted - measured}

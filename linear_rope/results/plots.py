@@ -374,6 +374,14 @@ def summary(runs: Path, out: Path) -> dict:
             entry["steps_to_none_final_val_smoothed_train"] = [
                 analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
                 for rs in seeds.values()]
+        mean_curve = [(int(st), d["mean"]) for st, d in entry["val_bpc_by_step"].items() if d["n"] == len(seeds)]
+        fit = analysis.fit_power_law(mean_curve)
+        if fit:  # where the mean val curve points, and how far that kind of projection has been off
+            to = analysis.power_law_steps_to(fit, TARGET_VAL_BPC)
+            per_step = entry["train_bytes"][0] / entry["steps"][0]
+            entry["val_power_law"] = {**fit, "target": TARGET_VAL_BPC, "steps_to_target": to,
+                                      "train_bytes_to_target": None if to is None else to * per_step,
+                                      "backtest": analysis.backtest_power_law(mean_curve)}
         jumps = [_redraw_jumps(col(rs, "train/bpc"),
                                cfgs[f"{variant}-seed{s}"]["config"]["model"].get("feature_redraw_interval", 0))
                  for s, rs in seeds.items()]
@@ -416,6 +424,7 @@ def _max_rise(curve: list[tuple[int, float]]) -> float:
     return max([b - a for (_, a), (_, b) in zip(curve, curve[1:])] + [0.0])
 
 
+TARGET_VAL_BPC = 2.0  # issue 24's target for the best linear variant (mean of 3 seeds)
 PAIRS = (("rope", "rope_pre"), ("rope_norm", "rope_pre"), ("none", "rope_pre"))
 
 
@@ -554,6 +563,20 @@ def tables(out: Path) -> str:
             d = by_step[v] or {}
             lines.append(f"| `{v}` | " + " | ".join(f"{d[str(x)]['mean']:.3f}" if str(x) in d else "–"
                                                    for x in steps) + " |")
+    fits = {v: s["variants"][v]["val_power_law"] for v in order if s["variants"][v].get("val_power_law")}
+    if fits:
+        lines += ["", "| variant: mean val curve fitted as a + b·step^−c | from step (points; rmse) | fitted floor a "
+                  "| step where the fit reaches " + f"{TARGET_VAL_BPC} val BPC (training bytes) | backtest: fitted "
+                  "to half the run, predicted − measured final val BPC |", "|---|---|---|---|---|"]
+        for v, f in fits.items():
+            to, bt, last = f["steps_to_target"], f.get("backtest"), max(s["variants"][v]["steps"])
+            reach = ("not projected (rmse above 0.05: the curve is too rough)" if f["rmse"] > 0.05 else
+                     "never (floor above target)" if to is None else
+                     "beyond 100× this run" if to > 100 * last else
+                     f"{to:.0f} ({f['train_bytes_to_target'] / 1e6:.0f}M)")
+            lines.append(f"| `{v}` | {f['from_step']} ({f['n']}; {f['rmse']:.3f}) | {f['a']:.3f} | {reach} | "
+                         + ("–" if not bt else f"{bt['predicted']:.3f} − {bt['measured']:.3f} = {bt['error']:+.3f} "
+                                               f"(fit to step {bt['fit_to_step']})") + " |")
     ext = s.get("extrapolation_test_bpc")
     if ext:
         cols = ["1L", "2L", "4L", "8L"]
