@@ -41,7 +41,7 @@ COLORS = {"rope": "tab:red", "none": "tab:gray", "absolute": "tab:blue", "rope_p
 ORDER = ("softmax", "rope", "rope_pre", "rope_norm", "absolute", "none")
 FACTORS = (1, 2, 4, 8)
 # The folder under results/ whose summary.json gives the README's headline table.
-HEADLINE = "cpu20m"
+HEADLINE = "cpu40m"
 BLOCK = re.compile(r"<!-- tables:(\w+) begin -->\n.*?<!-- tables:\1 end -->", re.S)
 TAGS = ("train/loss", "train/bpc", "val/bpc", "lr", "grad/norm", "test/bpc", "train/skipped_steps")
 
