@@ -378,7 +378,7 @@ def summary(runs: Path, out: Path) -> dict:
         fit = analysis.fit_power_law(mean_curve)
         if fit:  # where the mean val curve points, and how far that kind of projection has been off
             to = analysis.power_law_steps_to(fit, TARGET_VAL_BPC)
-            per_step = entry["train_bytes"][0] / entry["steps"][0]
+            per_step = _bytes_per_step(cfgs[f"{variant}-seed{min(seeds)}"]["config"])
             entry["val_power_law"] = {**fit, "target": TARGET_VAL_BPC, "steps_to_target": to,
                                       "train_bytes_to_target": None if to is None else to * per_step,
                                       "backtest": analysis.backtest_power_law(mean_curve)}
