@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
 from ..model import ModelConfig, PerformerLM
+from ..ops.triton.dispatch import record_paths
 from . import data
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig, lr_at, resume_diffs
@@ -330,9 +331,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ logs (rank 0 writes)
 
+    def attention_path(self) -> str:
+        """The path the model's attention takes in training, from a two-token probe forward in
+        the training precision: "triton kernels (sm_90, triton 3.6.0)", "torch path (<why>)",
+        or softmax attention. Under ``--compile`` the graph holds the torch path's custom op."""
+        if self.mc.position == "softmax":
+            return "softmax attention (torch scaled_dot_product_attention)"
+        if self.tc.compile and compile_unavailable(self.dd.device) is None:
+            return "torch path (torch.compile: the graph holds the custom op linear_rope::chunk_causal)"
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.dd.device)
+        was = self.model.training
+        with record_paths() as paths, torch.no_grad(), autocast(self.dd.device, self.tc.precision):
+            self.model.eval()(ids)
+        self.model.train(was)
+        return "; ".join(dict.fromkeys(paths)) or "no linear attention call"
+
     def _open(self) -> None:
         """compile, DDP, and on rank 0 config.json, the TensorBoard writer and the progress."""
         st, tc, dd = self.state, self.tc, self.dd
+        self.attention = self.attention_path()
         if tc.compile and not self.compiled:
             why = compile_unavailable(dd.device)
             if why is None:
@@ -348,7 +365,7 @@ class Trainer:
         self._t0, self._n = time.perf_counter(), 0
         if not dd.lead:
             return
-        text = json.dumps(st.config, indent=2)
+        text = json.dumps({**st.config, "attention": self.attention}, indent=2)
         atomic_write(self.run_dir / "config.json", text + "\n")
         # purge_step: readers drop events a killed process wrote after the checkpoint we resume
         self.writer = SummaryWriter(self.run_dir, purge_step=st.step + 1)
@@ -358,6 +375,7 @@ class Trainer:
               f"device {dd.device}, {precision}{', compiled' if self.compiled else ''}, "
               f"{f'threads {self.threads}, ' if self.threads else ''}ranks {dd.world}, "
               f"global batch {self.per_step}", file=sys.stderr)
+        print(f"{self.name}: attention: {self.attention}", file=sys.stderr)
 
     def _log_train(self, loss: float, grad_norm: float) -> None:
         done, tc = self.state.step, self.tc
@@ -397,7 +415,7 @@ class Trainer:
         w.add_scalar("test/bpc", st.metrics["test_bpc"], self.tc.steps)
         hparams = {f"{group}.{k}": ("None" if v is None else v)
                    for group, cfg in st.config.items() for k, v in cfg.items()}
-        w.add_hparams({"run": self.name, **hparams}, {"hparam/val_bpc": st.metrics["val_bpc"],
+        w.add_hparams({"run": self.name, "attention": self.attention, **hparams}, {"hparam/val_bpc": st.metrics["val_bpc"],
                                                       "hparam/test_bpc": st.metrics["test_bpc"]},
                       run_name=".")
 

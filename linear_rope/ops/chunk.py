@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..features import favor_features
-from .triton.dispatch import should_use_triton
+from .triton.dispatch import KernelError, backend, fallback, record, should_use_triton
 from ..rotary import rotary_tables, rotate_with_tables, table_dtype
 from .chunk_op import chunk_causal
 from .layout import OpConfig
@@ -182,7 +182,13 @@ def rotary_linear_attention(
         if should_use_triton(q, k, v, **kw):  # CUDA + Triton (or LINEAR_ROPE_BACKEND=triton)
             from .triton import rotary_linear_attention as triton_op
 
-            return triton_op(q, k, v, **kw)
+            try:
+                return triton_op(q, k, v, **kw)
+            except KernelError as e:  # a kernel failed to build or launch: the torch path, said once
+                if backend() == "triton":
+                    raise
+                fallback(str(e))
+                record(f"torch path ({e})", replace=True)
     out_dtype = v.dtype
     cdt = table_dtype(q.dtype)
     B, H, N, e = q.shape[:3] + v.shape[-1:]

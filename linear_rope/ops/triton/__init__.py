@@ -3,14 +3,21 @@
 * ``kernels.py``  the ``@triton.jit`` kernels: FAVOR+ features, RoPE and the state on chip;
 * ``chunk.py``    their autograd Function and ``rotary_linear_attention`` (the op's signature);
 * ``dispatch.py`` ``supports`` (which calls the kernels take, and why not), ``should_use_triton``
-                  (the ``LINEAR_ROPE_BACKEND`` switch) and the block sizes: no Triton import.
+                  (the ``LINEAR_ROPE_BACKEND`` switch), ``kernel_status`` (can they run here:
+                  Triton version, compute capability), the fallback and the block sizes;
+* ``emulation.py`` the GPU's ``tl.dot`` arithmetic (TF32, TF32x3, half operands) in Triton's
+                  interpreter, for the CPU tests;
+* ``aot.py``      the ahead-of-time sm_80 / sm_90 builds and what ptxas reports of them.
 
 ``rotary_linear_attention`` is imported on first use, so this package imports without Triton.
 """
-from .dispatch import BACKENDS, ENV_VAR, pick_config, should_use_triton, supports, triton_available
+from .dispatch import (
+    BACKENDS, ENV_VAR, KernelError, fallbacks, record_paths, kernel_status, pick_config, should_use_triton, supports,
+    triton_available, use_backend,
+)
 
 __all__ = ["rotary_linear_attention", "should_use_triton", "supports", "triton_available", "pick_config",
-           "BACKENDS", "ENV_VAR"]
+           "kernel_status", "record_paths", "use_backend", "fallbacks", "KernelError", "BACKENDS", "ENV_VAR"]
 
 
 def __getattr__(name):

@@ -1,10 +1,13 @@
-"""Ahead-of-time sm_90 compile of every kernel in every config the dispatch can pick, on any machine.
+"""Ahead-of-time sm_80 and sm_90 builds of every kernel in every config the dispatch can pick, on any machine.
 
-    TRITON_INTERPRET=0 python -m linear_rope.ops.triton.aot [--json out.json]
+    TRITON_INTERPRET=0 python -m linear_rope.ops.triton.aot [--arch 90] [--json out.json]
 
-Builds each kernel with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``
-(the ptxas in the Triton wheel; no GPU or driver needed) and reports its shared memory (from
-the compiled kernel's metadata), registers and spills (ptxas's log). The launch signature is
+Builds each kernel with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``
+(the ptxas in the Triton wheel; no GPU or driver needed) and reports, per build: shared memory
+(the compiled kernel's metadata), registers and spills (ptxas's log), blocks per SM (from
+those and the SM's limits, ``SM_LIMITS``), and the matrix instructions of its PTX: how many
+``mma`` / ``wgmma`` of which operand types, and how many ``cvt.rna.tf32`` (a TF32 ``mma``
+without them truncates its fp32 operands). The launch signature is
 the one the wrapper gives at run time: q, k, v in the input dtype, every other tensor float32,
 every pointer 16-byte aligned (torch's allocations are), the integer arguments unspecialised
 (``do_not_specialize`` in ``kernels.py``), so these are the binaries a launch would build.
@@ -22,7 +25,36 @@ import sys
 import time
 
 H100_SMEM_PER_BLOCK = 232_448  # bytes: the opt-in maximum per block on sm_90
+ARCHS = (80, 90)  # the capabilities the dispatch takes the kernels on (dispatch.CAPABILITIES)
+# Per SM (CUDA programming guide, compute capabilities table): registers, shared memory (bytes),
+# the opt-in maximum per block, threads, resident blocks; 1 KB of shared memory per block is
+# reserved by the system.
+SM_LIMITS = {80: dict(regs=65536, smem=167_936, smem_block=166_912, threads=2048, blocks=32),
+             90: dict(regs=65536, smem=233_472, smem_block=H100_SMEM_PER_BLOCK, threads=2048, blocks=32)}
 _TL = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def blocks_per_sm(arch: int, registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Resident blocks per SM: registers are allocated per warp in units of 256 (per-thread
+    counts rounded up to 8), shared memory per block plus the 1 KB the system reserves."""
+    lim = SM_LIMITS[arch]
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = lim["regs"] // (per_warp * num_warps) if registers else lim["blocks"]
+    by_smem = lim["smem"] // (shared_bytes + 1024)
+    return int(min(by_regs, by_smem, lim["threads"] // (32 * num_warps), lim["blocks"]))
+
+
+def matrix_instructions(ptx: str) -> dict:
+    """{"mma.<a-type>": n, "wgmma.<a-type>": n, "cvt.rna.tf32": n} from a kernel's PTX: the
+    tensor-core instructions and their operand types (tf32, bf16, f16, ...); "fma" counts the
+    scalar fp32 FMAs (a dot that did not reach the tensor cores)."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"\b(wgmma\.mma_async|mma\.sync)\.aligned\.[\w.]*?\.(f32|f16|s32)\.(tf32|bf16|f16|e4m3|e5m2|s8)\b", ptx):
+        key = f"{'wgmma' if m.group(1).startswith('wgmma') else 'mma'}.{m.group(3)}"
+        counts[key] = counts.get(key, 0) + 1
+    counts["cvt.rna.tf32"] = len(re.findall(r"cvt\.rna\.tf32\.f32", ptx))
+    counts["fma"] = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
+    return counts
 
 
 def _builds():
@@ -38,8 +70,8 @@ def _builds():
             yield "_bwd_kernel", K._bwd_kernel, dt, favor, cfg["kernel"]
 
 
-def compile_one(fn, dtype: str, favor: bool, cfg: dict):
-    """Compile ``fn`` for sm_90; returns the compiled kernel and ptxas's log."""
+def compile_one(fn, dtype: str, favor: bool, cfg: dict, arch: int = 90):
+    """Compile ``fn`` for sm_<arch>; returns the compiled kernel and ptxas's log."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -63,32 +95,39 @@ def compile_one(fn, dtype: str, favor: bool, cfg: dict):
     triton.knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     return kernel, log.getvalue()
 
 
-def run(only: str | None = None, shard: tuple[int, int] = (0, 1)) -> list[dict]:
-    """Compile every build (``only``: a dtype name, to compile one dtype's; ``shard`` (i, n): every
-    n-th build from the i-th, for n processes side by side); one row each."""
+def run(only: str | None = None, shard: tuple[int, int] = (0, 1), archs=ARCHS) -> list[dict]:
+    """Compile every build for every arch (``only``: a dtype name, to compile one dtype's;
+    ``shard`` (i, n): every n-th build from the i-th, for n processes side by side); one row each."""
+    import triton
+
     rows = []
-    for j, (name, fn, dtype, favor, cfg) in enumerate(_builds()):
+    jobs = [(arch, *b) for arch in archs for b in _builds()]
+    for j, (arch, name, fn, dtype, favor, cfg) in enumerate(jobs):
         if (only and dtype != only) or j % shard[1] != shard[0]:
             continue
-        row = dict(kernel=name, dtype=dtype, favor=favor,
+        row = dict(kernel=name, dtype=dtype, favor=favor, arch=f"sm_{arch}", triton=triton.__version__,
                    config={k: v for k, v in cfg.items() if k != "num_warps"} | {"num_warps": cfg["num_warps"]})
         t = time.perf_counter()
         try:
-            kernel, log = compile_one(fn, dtype, favor, cfg)
+            kernel, log = compile_one(fn, dtype, favor, cfg, arch)
         except Exception as e:  # noqa: BLE001 - reported per kernel
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         else:
             regs = re.search(r"Used (\d+) registers", log)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
             smem = int(kernel.metadata.shared)
-            row.update(ok=smem <= H100_SMEM_PER_BLOCK, shared_bytes=smem, registers=regs and int(regs.group(1)),
-                       spill_store_bytes=spill and int(spill.group(1)), spill_load_bytes=spill and int(spill.group(2)))
-            if smem > H100_SMEM_PER_BLOCK:
-                row["error"] = f"shared memory {smem} B > the H100's {H100_SMEM_PER_BLOCK} B per block"
+            limit = SM_LIMITS[arch]["smem_block"]
+            regs = regs and int(regs.group(1))
+            row.update(ok=smem <= limit, shared_bytes=smem, registers=regs,
+                       spill_store_bytes=spill and int(spill.group(1)), spill_load_bytes=spill and int(spill.group(2)),
+                       blocks_per_sm=blocks_per_sm(arch, regs or 0, cfg["num_warps"], smem),
+                       instructions=matrix_instructions(kernel.asm.get("ptx", "")))
+            if smem > limit:
+                row["error"] = f"shared memory {smem} B > sm_{arch}'s {limit} B per block"
         row["seconds"] = round(time.perf_counter() - t, 2)
         rows.append(row)
     return rows
@@ -99,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--dtype", choices=sorted(_TL), help="compile one input dtype's kernels only")
     ap.add_argument("--shard", default="0/1", help="i/n: compile every n-th build from the i-th (parallel runs)")
+    ap.add_argument("--arch", type=int, action="append", choices=ARCHS,
+                    help="compute capability to build for (repeatable; default: all of 80, 90)")
     args = ap.parse_args(argv)
     try:
         shard = tuple(int(x) for x in args.shard.split("/"))
@@ -109,11 +150,12 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot: unset TRITON_INTERPRET (the compile needs the real JIT)", file=sys.stderr)
         return 2
-    rows = run(args.dtype, shard)
+    rows = run(args.dtype, shard, tuple(args.arch or ARCHS))
     for r in rows:
+        ins = ", ".join(f"{k} {v}" for k, v in r.get("instructions", {}).items() if v)
         what = (f"{r['shared_bytes']:>7} B smem, {r['registers']} regs, spills {r['spill_store_bytes']}/"
-                f"{r['spill_load_bytes']} B" if "shared_bytes" in r else r["error"])
-        print(f"{r['kernel']:<13} {r['dtype']:<9} favor={r['favor']!s:<5} {what}  ({r['seconds']} s)")
+                f"{r['spill_load_bytes']} B, {r['blocks_per_sm']} blocks/SM; {ins}" if "shared_bytes" in r else r["error"])
+        print(f"{r['arch']} {r['kernel']:<13} {r['dtype']:<9} favor={r['favor']!s:<5} {what}  ({r['seconds']} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -14,9 +14,19 @@ from ...features import key_exponent_floor, pair_shift
 from ...rotary import rotary_tables, table_dtype
 from ..utils import LinearAttentionState, Options, check_args
 from . import kernels as K
-from .dispatch import pick_config, supports
+from .dispatch import KernelError, backend, fallback, pick_config, supports, use_backend
 
 __all__ = ["rotary_linear_attention"]
+
+
+def _launch(name, kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; a failure to build or launch it (shared memory,
+    registers, a compiler or driver error) becomes a ``KernelError`` naming the kernel."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Triton raises its own types, RuntimeError, AssertionError, ...
+        msg = str(e).strip().splitlines()
+        raise KernelError(f"{name} failed to build or launch ({type(e).__name__}: {msg[0][:200] if msg else ''})") from e
 
 def _acc(cdt):
     import triton.language as tl
@@ -56,10 +66,10 @@ class _TritonCausal(torch.autograd.Function):
         has_state = S0 is not None
         ST = v.new_empty(BH, m, e, dtype=cdt) if meta["store_state"] else None
         zT = v.new_empty(BH, m, dtype=cdt) if meta["store_state"] else None
-        K._fwd_kernel[(nb, BH)](
-            q, k, v, *_ptrs(meta, v, S0, z0, num, den, ST, zT),
-            *meta["dims"], _flags(meta, has_state, ST is not None), FAVOR=meta["w"] is not None, ACC=_acc(cdt),
-            **cfg["kernel"])
+        _launch("the forward kernel", K._fwd_kernel, (nb, BH),
+                q, k, v, *_ptrs(meta, v, S0, z0, num, den, ST, zT),
+                *meta["dims"], _flags(meta, has_state, ST is not None), FAVOR=meta["w"] is not None, ACC=_acc(cdt),
+                **cfg["kernel"])
         den = den.sum(0)
         den = torch.where(den > 0, den, torch.zeros_like(den))  # as naive: <= 0 divides by 1, no gradient
         out = num.sum(0) / _safe(den).unsqueeze(-1)
@@ -94,12 +104,37 @@ class _TritonCausal(torch.autograd.Function):
         has_g = meta["store_state"] and gS is not None
         gS = gS.to(cdt).contiguous() if has_g else None
         gz = gz.to(cdt).contiguous() if has_g else None
-        K._bwd_kernel[(nb, BH)](
-            q, k, v, *_ptrs(meta, v, S0, z0, dnum, dden, gS, gz, dq, dk, dv, dS0, dz0), *meta["dims"],
-            _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **cfg["kernel"])
+        try:
+            _launch("the backward kernel", K._bwd_kernel, (nb, BH),
+                    q, k, v, *_ptrs(meta, v, S0, z0, dnum, dden, gS, gz, dq, dk, dv, dS0, dz0), *meta["dims"],
+                    _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **cfg["kernel"])
+        except KernelError as e:
+            if meta["forced"]:
+                raise
+            fallback(str(e))
+            return _torch_backward(ctx, g, gS if has_g else None, gz if has_g else None)
         if favor:
             dq, dk = dq.sum(0), dk.sum(0)
         return dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dS0, dz0, None
+
+
+def _torch_backward(ctx, g, gS, gz):
+    """The backward on the torch path, when the backward kernel cannot run: recompute the forward
+    there from the saved inputs and differentiate it (same maths, same results to round-off)."""
+    q, k, v, S0, z0, _, _ = ctx.saved_tensors
+    meta = ctx.meta
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (q, k, v, S0, z0)]
+    with torch.enable_grad():
+        out, S, z = meta["torch_fn"](*leaves)
+    outs, ups = [out], [g.to(out.dtype)]
+    if gS is not None:
+        outs += [S, z]
+        ups += [gS.to(S.dtype), gz.to(z.dtype)]
+    used = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(outs, used, ups, allow_unused=True))
+    res = [next(grads) if t is not None else None for t in leaves]
+    res = [torch.zeros_like(t) if r is None and t is not None else r for r, t in zip(res, leaves)]
+    return (*res, None)
 
 
 def rotary_linear_attention(
@@ -149,8 +184,8 @@ def rotary_linear_attention(
             w = projection.detach().to(device=q.device, dtype=cdt).contiguous()
             c = pair_shift(w)[0::2].contiguous()  # (P,): one shift per rotation pair
             qmax = q.new_empty(B * H, N, dtype=cdt)
-            K._qmax_kernel[(-(-N // cfg["qmax"]["C"]), B * H)](
-                q3, w, c, qmax, N, m, x, (m + 1) // 2, ACC=_acc(cdt), **cfg["qmax"])
+            _launch("the query-stabiliser kernel", K._qmax_kernel, (-(-N // cfg["qmax"]["C"]), B * H),
+                    q3, w, c, qmax, N, m, x, (m + 1) // 2, ACC=_acc(cdt), **cfg["qmax"])
         if rotary:
             cos, sin = rotary_tables(N, m, offset=a.offset if a.positions is None else 0, base=base, dtype=cdt,
                                      device=q.device, positions=a.positions)
@@ -166,10 +201,24 @@ def rotary_linear_attention(
         dims = (N, H, m, x if projection is not None else m, e, (m + 1) // 2, x, tab_rows,
                 key_exponent_floor(cdt))
         meta = dict(cfg=cfg, m=m, cdt=cdt, w=w, c=c, km=km, qmask=qm, qmax=qmax, cos=cos, sin=sin, dims=dims,
-                    store_state=output_final_state)
+                    store_state=output_final_state, forced=backend() == "triton",
+                    torch_fn=lambda *t: _torch_path(t, (B, H, N, x, m, e), kw))
         out, S, z = _TritonCausal.apply(q3, k3, v3, S0, z0, meta)
     out = out.view(B, H, N, e).to(v.dtype)
     if not output_final_state:
         return out
     return out, LinearAttentionState(S.view(B, H, m, e), z.view(B, H, m))
 
+
+
+def _torch_path(tensors, shape, kw):
+    """The torch path on the kernels' flattened inputs (q3, k3, v3, S0, z0): (out, S, z) flattened
+    like the kernels' outputs, in the compute dtype."""
+    from ..chunk import rotary_linear_attention as op
+
+    B, H, N, x, m, e = shape
+    q3, k3, v3, S0, z0 = tensors
+    kw = dict(kw, initial_state=None if S0 is None else LinearAttentionState(S0.view(B, H, m, e), z0.view(B, H, m)))
+    with use_backend("torch"):
+        out, st = op(q3.view(B, H, N, x), k3.view(B, H, N, x), v3.view(B, H, N, e), output_final_state=True, **kw)
+    return out.reshape(B * H, N, e), st.S.reshape(B * H, m, e), st.z.reshape(B * H, m)

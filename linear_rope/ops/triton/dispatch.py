@@ -1,33 +1,60 @@
-"""Which path a call takes: the Triton kernels or the torch ops. Imports nothing from Triton.
+"""Which path a call takes, the Triton kernels or the torch ops, and the fallback when the kernels
+cannot run. Imports Triton only when a call could take the kernels.
 
-``should_use_triton(q, k, v, **kwargs)`` is the one call the op makes: the backend comes from
+``should_use_triton(q, k, v, **kwargs)`` is the one question the op asks: the backend comes from
 ``force`` (``"torch"``, ``"triton"``, ``"auto"``), else the ``LINEAR_ROPE_BACKEND`` environment
-variable, else ``"auto"``. ``auto`` takes the kernels for CUDA tensors when Triton is installed
-and ``supports`` accepts the call; ``triton`` takes them wherever ``supports`` accepts (on the
-CPU that needs ``TRITON_INTERPRET=1``, set before Triton is imported) and raises with the
-reason otherwise; ``torch`` never does.
+variable, else ``"auto"``.
+
+* ``auto`` takes the kernels for CUDA tensors where they can run: Triton imports, its version
+  is one this project tested (``TRITON_TESTED``), the GPU's compute capability is one the
+  kernels were built and checked for (``CAPABILITIES``: the sm_80 and sm_90 builds of
+  ``aot.py``) and ``supports`` accepts the call. Where Triton is installed but fails one of
+  those checks, or a kernel later fails to build or launch (``KernelError``), the call takes
+  the torch path and one line on stderr names the reason, once per reason per process.
+* ``triton`` takes the kernels wherever ``supports`` accepts (on the CPU that needs
+  ``TRITON_INTERPRET=1``, set before Triton is imported) and raises with the reason otherwise,
+  and when a kernel fails: never a silent fallback. An untested Triton version or capability is
+  tried when forced.
+* ``torch`` never takes them.
+
+``record_paths`` collects the path each call takes (the trainer names it in its first lines).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+import re
+import sys
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", "dispatch_configs", "pick_config", "should_use_triton",
-           "supports", "triton_available"]
+__all__ = ["BACKENDS", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", "TRITON_TESTED", "KernelError",
+           "record_paths", "dispatch_configs", "fallback", "fallbacks", "kernel_status", "pick_config",
+           "should_use_triton", "supports", "triton_available", "use_backend"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton")
-MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the sm_90 compile test checks this size
+MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the ahead-of-time builds check this size
 NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu.md)
 NUM_WARPS = 8  # 256 threads share each program's tiles: fewer registers per thread (and spills) than 4 warps
 CHUNK = 32  # tokens per chunk: 64 spilled more on sm_90 (5.6 KB against 1.3 KB in the bf16 backward)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Triton releases the kernels are tested with (CI: the interpreter tests under both; the
+# ahead-of-time sm_80 / sm_90 builds under the oldest): older ones fall back, newer ones too
+# unless forced.
+TRITON_TESTED = ((3, 6), (3, 9))
+# Compute capabilities the kernels are built and checked for (``aot.py``'s targets).
+CAPABILITIES = ((8, 0), (9, 0))
+
+
+class KernelError(RuntimeError):
+    """A Triton kernel failed to build or to launch (shared memory, registers, a driver error)."""
 
 
 def triton_available() -> bool:
-    """Triton is importable (it is not imported here)."""
+    """Triton is installed (it is not imported here; see ``kernel_status`` for whether it works)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -35,22 +62,103 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _version_tuple(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import() -> tuple[str | None, str]:
+    """(version, "") if ``import triton`` and the kernels' module work, else (None, why)."""
+    if not triton_available():
+        return None, "triton is not installed (pip install 'linear_rope[triton]')"
+    try:
+        import triton
+
+        from . import kernels  # noqa: F401 - decorating the kernels is the first use of triton.language
+    except Exception as e:  # noqa: BLE001 - a broken install raises anything at import
+        return None, f"triton failed to import ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+    return str(getattr(triton, "__version__", "0.0")), ""
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _gpu_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device (None for other devices)."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def kernel_status(device: torch.device | None = None, *, forced: bool = False) -> tuple[bool, str]:
+    """(True, "triton kernels (sm_90, triton 3.6.0)") where the kernels can run on ``device``
+    (a CUDA device; None: the interpreter), else (False, the reason). ``forced``: an untested
+    newer Triton or capability is allowed (``LINEAR_ROPE_BACKEND=triton``)."""
+    version, why = _triton_import()
+    if version is None:
+        return False, why
+    vt = _version_tuple(version)
+    if vt < TRITON_TESTED[0]:
+        return False, (f"triton {version} is too old: the kernels are tested with "
+                       f"{', '.join('%d.%d' % v for v in TRITON_TESTED)}")
+    if vt > TRITON_TESTED[-1] and not forced:
+        return False, (f"triton {version} is newer than the releases the kernels are tested with "
+                       f"({', '.join('%d.%d' % v for v in TRITON_TESTED)}); LINEAR_ROPE_BACKEND=triton tries it")
+    cap = None if device is None else _gpu_capability(device)
+    if cap is None:
+        return True, f"triton kernels (interpreter, triton {version})"
+    arch = f"sm_{cap[0]}{cap[1]}"
+    if cap not in CAPABILITIES and not forced:
+        return False, (f"compute capability {cap[0]}.{cap[1]} ({arch}): the kernels are built and checked for "
+                       f"{', '.join('sm_%d%d' % c for c in CAPABILITIES)} only; LINEAR_ROPE_BACKEND=triton tries it")
+    return True, f"triton kernels ({arch}, triton {version})"
+
+
+_FALLBACKS: dict[str, int] = {}  # reason -> calls that fell back for it, in order of first occurrence
+
+
+def fallback(reason: str) -> None:
+    """Record that a call took the torch path because the kernels could not run, and say so on
+    stderr the first time a reason occurs in this process (one line)."""
+    if reason not in _FALLBACKS:
+        print(f"linear_rope: warning: Triton kernels unavailable, using the torch path: {reason}", file=sys.stderr,
+              flush=True)
+    _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
+
+
+def fallbacks() -> dict[str, int]:
+    """The fallback reasons of this process (reason -> number of calls), oldest first."""
+    return dict(_FALLBACKS)
+
+
 def pick_config(dtype: torch.dtype) -> dict:
     """The kernels' launch parameters: one config per input dtype, chosen here on the CPU (no
-    autotune, so the interpreter and the sm_90 compile test see exactly what runs).
+    autotune, so the interpreter and the ahead-of-time builds see exactly what runs).
 
     C = 32 tokens per chunk; BP = 32 rotation pairs per program (m = 266 is 133 pairs: 5
     blocks, 17% padding); BD = BE = 64: d and e padded to 64 (the paper's head size; smaller
-    heads pay for the padding); 8 warps, 1 stage (see docs/gpu.md for the sm_90 builds). GEMM precision: TF32 for bf16 / fp16 inputs (they carry 8-11
-    bits; TF32 keeps 10), TF32x3 (about fp32 accuracy on tensor cores) for fp32 inputs, fp64
-    for fp64 (the interpreter only: on CUDA float64 takes the torch path)."""
-    prec = {torch.float16: "tf32", torch.bfloat16: "tf32", torch.float32: "tf32x3"}.get(dtype, "ieee")
-    common = dict(C=CHUNK, BP=32, BD=MAX_HEAD_DIM, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return dict(kernel=dict(common, BE=MAX_HEAD_DIM), qmax=common)
+    heads pay for the padding); 8 warps, 1 stage (see docs/gpu.md for the builds).
+
+    GEMM precision (see ``kernels.py``): ``XPREC`` for the FAVOR+ exponent products, TF32x3
+    (about fp32) for every GPU dtype; ``PREC`` for the rest: rounded TF32 (``"tf32r"``) for bf16
+    inputs, TF32x3 for fp16 and fp32 inputs (fp16 carries TF32's 10 mantissa bits, so TF32
+    round-off in the products doubled its error: 4x float32-rounded-to-fp16 in dk, dv under the
+    emulation); float64 (the interpreter only) runs "ieee"."""
+    prec = {torch.float16: "tf32x3", torch.bfloat16: "tf32r", torch.float32: "tf32x3"}.get(dtype, "ieee")
+    xprec = "tf32x3" if dtype in GPU_DTYPES else "ieee"
+    common = dict(C=CHUNK, BP=32, BD=MAX_HEAD_DIM, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return dict(kernel=dict(common, BE=MAX_HEAD_DIM, PREC=prec, XPREC=xprec), qmax=dict(common, XPREC=xprec))
 
 
 def dispatch_configs() -> list[tuple[torch.dtype, dict]]:
-    """Every (input dtype, config) the dispatch can pick on CUDA: what the sm_90 compile test builds."""
+    """Every (input dtype, config) the dispatch can pick on CUDA: what the ahead-of-time builds build."""
     return [(dt, pick_config(dt)) for dt in GPU_DTYPES]
 
 
@@ -59,11 +167,12 @@ def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, proje
              **_) -> tuple[bool, str]:
     """(True, "") if the Triton kernels compute this call, else (False, the reason): the calls the
     kernels do not take go to the torch path, which takes every call. Argument errors are not
-    judged here: the op's checks raise them on either path."""
+    judged here: the op's checks raise them on either path. Whether Triton works on this
+    machine is ``kernel_status``'s question."""
+    if not (_on_gpu(q) or _interpreting()):
+        return False, f"tensors on {q.device.type}: the kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
     if not triton_available():
         return False, "triton is not installed (pip install 'linear_rope[triton]')"
-    if not (q.is_cuda or _interpreting()):
-        return False, f"tensors on {q.device.type}: the kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
     if key_mask is not None or k.shape[2] != q.shape[2]:
         return False, "cross-attention (key_mask, or k of another length) is bidirectional only (torch path)"
     if not causal:
@@ -80,18 +189,84 @@ def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, proje
     return True, ""
 
 
+_OVERRIDE: list[str] = []  # use_backend's stack (innermost last)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Within the block, calls take backend ``name`` ("auto", "torch" or "triton") as if
+    ``LINEAR_ROPE_BACKEND`` said so: e.g. to time both paths through the public op."""
+    if name not in BACKENDS:
+        raise ValueError(f"use_backend: name must be one of {BACKENDS}, got {name!r}")
+    _OVERRIDE.append(name)
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
+def backend(force: str | None = None) -> str:
+    """``force``, else ``use_backend``'s, else ``LINEAR_ROPE_BACKEND``, else "auto"; ValueError
+    for another name."""
+    name = force if force is not None else _OVERRIDE[-1] if _OVERRIDE else \
+        os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} / force must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+_RECORDERS: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def record_paths():
+    """Within the block, every causal op call appends the path it takes to the yielded list:
+    "triton kernels (sm_90, triton 3.6.0)" or "torch path (<reason>)" (the trainer's probe)."""
+    paths: list[str] = []
+    _RECORDERS.append(paths)
+    try:
+        yield paths
+    finally:
+        _RECORDERS.remove(paths)
+
+
+def record(path: str, replace: bool = False) -> None:
+    """Note the path a call took, for ``record_paths`` (a no-op outside it); ``replace``: it
+    corrects the last note (a kernel that failed after the call chose it)."""
+    for paths in _RECORDERS:
+        if replace and paths:
+            paths[-1] = path
+        else:
+            paths.append(path)
+
+
+def _decide(q, k, v, force, kwargs) -> tuple[bool, str]:
+    name = backend(force)
+    if name == "torch":
+        return False, f"torch path ({ENV_VAR}=torch)" if not force and not _OVERRIDE else "torch path (forced)"
+    ok, why = supports(q, k, v, **kwargs)
+    if name == "triton" and not ok:
+        raise ValueError(f"backend 'triton' was forced, but {why}")
+    if not ok:
+        return False, f"torch path ({why})"
+    if name == "auto" and not _on_gpu(q):
+        return False, f"torch path (tensors on {q.device.type}: the kernels run on CUDA)"
+    ready, why = kernel_status(q.device if _on_gpu(q) else None, forced=name == "triton")
+    if not ready:
+        if name == "triton":
+            raise ValueError(f"backend 'triton' was forced, but {why}")
+        if triton_available():  # installed but unusable: say so; not installed is the plain torch path
+            fallback(why)
+        return False, f"torch path ({why})"
+    return True, why
+
+
 def should_use_triton(q, k, v, *, force: str | None = None, **kwargs) -> bool:
     """True when the call should take the Triton kernels (see the module docstring). ``kwargs``:
     the op's keyword arguments. Raises ValueError for an unknown backend, or when ``triton`` is
-    forced for a call the kernels do not take (with the reason)."""
-    backend = force if force is not None else os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if backend not in BACKENDS:
-        raise ValueError(f"{ENV_VAR} / force must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return False
-    ok, why = supports(q, k, v, **kwargs)
-    if backend == "triton" and not ok:
-        raise ValueError(f"backend 'triton' was forced, but {why}")
-    if backend == "auto":
-        return ok and q.is_cuda
-    return ok
+    forced for a call the kernels do not take or cannot run (with the reason). In ``auto``, a
+    CUDA call the kernels take but cannot run here falls back (``fallback``)."""
+    use, path = _decide(q, k, v, force, kwargs)
+    if _RECORDERS:
+        record(path)
+    return use

@@ -18,13 +18,38 @@ wrapper adds the ``nb = ceil(m / 2 BP)`` partials (m = 266: 133 pairs, 5 blocks 
   start are the initial state's gradient. With FAVOR+ dq and dk are partials over blocks too.
 
 Everything inside is float32 (float64 for float64 inputs); bf16 / fp16 inputs are loaded as
-they are and upcast on chip. GEMMs: exact fp32 ("ieee") for fp32 inputs, TF32 for bf16 / fp16
-inputs (their inputs carry 8-11 bits; TF32 keeps 10), fp64 for fp64.
+they are and upcast on chip. Two GEMM precisions (``dispatch.pick_config``):
+
+* ``XPREC``, the FAVOR+ exponent products w . x' (in ``_features`` and ``_qmax_kernel``):
+  TF32x3 (about fp32) for every input dtype. An error of eps in an exponent a is an error of
+  eps * |a| in exp(a), and |a| reaches tens: plain TF32 there (truncated operands, 2^-10)
+  made bf16 / fp16 outputs 3-20x less accurate than fp32 rounded to the input dtype.
+* ``PREC``, every other product: ``"tf32r"`` for bf16 inputs, TF32 on operands rounded to
+  nearest first (``_mm``: the tensor cores truncate, which biases every sum), TF32x3 for fp16
+  and fp32 inputs, ``"ieee"`` (exact, fp64) for float64 interpreter runs.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _rna(x):
+    """fp32 -> the nearest TF32 value (ties away from zero), as ``cvt.rna.tf32.f32``: add half
+    of the dropped 13 bits' range to the bit pattern, then clear them (finite x)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr):
+    """a @ b, fp32 accumulation. ``"tf32r"``: TF32 tensor cores on operands rounded to nearest
+    (the hardware itself truncates); anything else is ``tl.dot``'s ``input_precision``."""
+    if PREC == "tf32r":
+        return tl.dot(_rna(a), _rna(b), input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -57,7 +82,7 @@ def _block(w_ptr, c_ptr, i, m, d, P, BP: tl.constexpr, BD: tl.constexpr, FAVOR: 
 
 @triton.jit
 def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
-              has_mask, FAVOR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+              has_mask, FAVOR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
     """phi(q), phi(k) of the chunk at token t0, even and odd halves `[C, BP]` (padded pairs and
     tokens, and masked keys, are 0); q' and k' `[C, BD]` (FAVOR+); the keys' not-clamped masks
     (the gradient passes where floor <= exponent <= 0, as through torch's clamp); the key mask."""
@@ -72,11 +97,11 @@ def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT
         xq = tl.load(q_row + xo, mask=xm, other=0.0).to(ACC) * scale
         xk = tl.load(k_row + xo, mask=xm, other=0.0).to(ACC) * scale
         cq = c[None, :] - tl.load(qmax_row + tok, mask=tmask, other=0.0)[:, None]
-        fe = tl.where(fme, tl.exp(tl.dot(xq, weT, input_precision=PREC) + cq), 0.0)
-        fo = tl.where(fmo, tl.exp(tl.dot(xq, woT, input_precision=PREC) + cq), 0.0)
+        fe = tl.where(fme, tl.exp(_mm(xq, weT, XPREC) + cq), 0.0)
+        fo = tl.where(fmo, tl.exp(_mm(xq, woT, XPREC) + cq), 0.0)
         ck = 0.5 * tl.sum(xk * xk, axis=1)[:, None] + c[None, :]
-        ae = tl.dot(xk, weT, input_precision=PREC) - ck
-        ao = tl.dot(xk, woT, input_precision=PREC) - ck
+        ae = _mm(xk, weT, XPREC) - ck
+        ao = _mm(xk, woT, XPREC) - ck
         oke = (ae >= FLOOR) & (ae <= 0.0)
         oko = (ao >= FLOOR) & (ao <= 0.0)
         ke = tl.where(fme, tl.exp(tl.minimum(tl.maximum(ae, FLOOR), 0.0)), 0.0) * km[:, None]
@@ -120,7 +145,7 @@ _INTS = ["N", "H", "m", "d", "e", "P", "x_dim", "tab_rows", "FLAGS"]  # never sp
 
 @triton.jit(do_not_specialize=["N", "m", "d", "P"])
 def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
-                 C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+                 C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
     """qmax[bh, t] = max_j (w_j . q_t' + c_j): the FAVOR+ query stabiliser over all m features."""
     it, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     scale = _scale(d, ACC)
@@ -133,8 +158,8 @@ def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
     best = tl.full((C,), float("-inf"), ACC)
     for i in range(0, (P + BP - 1) // BP):
         p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, True, ACC)
-        se = tl.where(vale[None, :], tl.dot(xs, weT, input_precision=PREC) + c[None, :], float("-inf"))
-        so = tl.where(valo[None, :], tl.dot(xs, woT, input_precision=PREC) + c[None, :], float("-inf"))
+        se = tl.where(vale[None, :], _mm(xs, weT, XPREC) + c[None, :], float("-inf"))
+        so = tl.where(valo[None, :], _mm(xs, woT, XPREC) + c[None, :], float("-inf"))
         best = tl.maximum(best, tl.maximum(tl.max(se, axis=1), tl.max(so, axis=1)))
     tl.store(qmax_ptr + bh * N + tok, best, mask=tmask)
 
@@ -166,7 +191,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
                 num_ptr, den_ptr, sT_ptr, zT_ptr,
                 N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
                 C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (i, bh): pairs [i BP, (i+1) BP) of row-head bh over all N tokens.
     num `[nb, BH, N, e]`, den `[nb, BH, N]` partials; final S `[BH, m, e]`, z `[BH, m]`."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -188,21 +213,21 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         vm = tmask[:, None] & (ee[None, :] < e)
         fe, fo, ke, ko, _, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
                                                   vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
-                                                  FAVOR, BD, ACC, PREC)
+                                                  FAVOR, BD, ACC, XPREC)
         v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
         # the denominator: unrotated, phi(q_t) . (z + sum_{n <= t} phi(k_n))
         den = tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)), axis=1)
-        A = tl.dot(re, tl.trans(rke), input_precision=PREC) + tl.dot(ro, tl.trans(rko), input_precision=PREC)
+        A = _mm(re, tl.trans(rke), PREC) + _mm(ro, tl.trans(rko), PREC)
         A = tl.where(causal, A, 0.0)
-        num = tl.dot(re, S_e, input_precision=PREC) + tl.dot(ro, S_o, input_precision=PREC)
-        num += tl.dot(A, v, input_precision=PREC)
+        num = _mm(re, S_e, PREC) + _mm(ro, S_o, PREC)
+        num += _mm(A, v, PREC)
         tl.store(num_ptr + po + t0 * e, num, mask=vm)
         tl.store(den_ptr + (i * BH + bh) * N + t0 + ar, den, mask=tmask)
-        S_e += tl.dot(tl.trans(rke), v, input_precision=PREC)
-        S_o += tl.dot(tl.trans(rko), v, input_precision=PREC)
+        S_e += _mm(tl.trans(rke), v, PREC)
+        S_o += _mm(tl.trans(rko), v, PREC)
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
     _store_state(sT_ptr, zT_ptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o, has_out_state)
@@ -219,7 +244,7 @@ def _store_feature_grad(ptr, row, N, t0, tmask, p, m, d, dfe, dfo, fe, fo, oke, 
     if FAVOR:
         dae = tl.where(oke, dfe * fe, 0.0)
         dao = tl.where(oko, dfo * fo, 0.0)
-        dx = tl.dot(dae, tl.trans(weT), input_precision=PREC) + tl.dot(dao, tl.trans(woT), input_precision=PREC)
+        dx = _mm(dae, tl.trans(weT), PREC) + _mm(dao, tl.trans(woT), PREC)
         if IS_KEY:
             dx -= xs * tl.sum(dae + dao, axis=1)[:, None]
         dd = tl.arange(0, BD)
@@ -236,7 +261,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
                 dnum_ptr, dden_ptr, gS_ptr, gz_ptr, dq_ptr, dk_ptr, dv_ptr, dS0_ptr, dz0_ptr,
                 N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
                 C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
+                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (i, bh) as in the forward. dnum `[BH, N, e]` = g / den, dden `[BH, N]` = -g.out / den.
     dv `[nb, BH, N, e]` partials; dq, dk partials `[nb, BH, N, d]` (FAVOR+) or `[BH, N, m]`;
     dS0, dz0 `[BH, m, e]`, `[BH, m]` (initial state)."""
@@ -261,24 +286,24 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         vm = tmask[:, None] & (ee[None, :] < e)
         fe, fo, ke, ko, xq, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
                                                    vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
-                                                   FAVOR, BD, ACC, PREC)
+                                                   FAVOR, BD, ACC, XPREC)
         v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
         dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
         dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
-        Pm = tl.where(causal, tl.dot(dnum, tl.trans(v), input_precision=PREC), 0.0)  # dnum_t . v_n, n <= t
+        Pm = tl.where(causal, _mm(dnum, tl.trans(v), PREC), 0.0)  # dnum_t . v_n, n <= t
         dfe = dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
         dfo = dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
         cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
         rke, rko = _rotate(ke, ko, cs, sn)
-        dre = tl.dot(dnum, tl.trans(S_e), input_precision=PREC) + tl.dot(Pm, rke, input_precision=PREC)
-        dro = tl.dot(dnum, tl.trans(S_o), input_precision=PREC) + tl.dot(Pm, rko, input_precision=PREC)
+        dre = _mm(dnum, tl.trans(S_e), PREC) + _mm(Pm, rke, PREC)
+        dro = _mm(dnum, tl.trans(S_o), PREC) + _mm(Pm, rko, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)  # R^T: rotate back
         fme = tmask[:, None] & vale[None, :]
         fmo = tmask[:, None] & valo[None, :]
         _store_feature_grad(dq_ptr, grow, N, t0, tmask, p, m, d, dfe + dre, dfo + dro, fe, fo, fme, fmo, xq, weT,
                             woT, scale, FAVOR, False, BD, PREC)
-        S_e += tl.dot(tl.trans(rke), v, input_precision=PREC)
-        S_o += tl.dot(tl.trans(rko), v, input_precision=PREC)
+        S_e += _mm(tl.trans(rke), v, PREC)
+        S_o += _mm(tl.trans(rko), v, PREC)
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
     # sweep 2, reverse: G = gS + sum over later tokens of rq dnum^T, Z = gz + sum dden phi(q)
@@ -291,21 +316,21 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         vm = tmask[:, None] & (ee[None, :] < e)
         fe, fo, ke, ko, _, xk, oke, oko, km = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask,
                                                         p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
-                                                        has_mask, FAVOR, BD, ACC, PREC)
+                                                        has_mask, FAVOR, BD, ACC, XPREC)
         v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
         dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
         dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
         cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
-        Pt = tl.where(later, tl.dot(v, tl.trans(dnum), input_precision=PREC), 0.0)  # v_n . dnum_t, t >= n
-        At = tl.dot(rke, tl.trans(re), input_precision=PREC) + tl.dot(rko, tl.trans(ro), input_precision=PREC)
+        Pt = tl.where(later, _mm(v, tl.trans(dnum), PREC), 0.0)  # v_n . dnum_t, t >= n
+        At = _mm(rke, tl.trans(re), PREC) + _mm(rko, tl.trans(ro), PREC)
         At = tl.where(later, At, 0.0)
-        dv = tl.dot(rke, G_e, input_precision=PREC) + tl.dot(rko, G_o, input_precision=PREC)
-        dv += tl.dot(At, dnum, input_precision=PREC)
+        dv = _mm(rke, G_e, PREC) + _mm(rko, G_o, PREC)
+        dv += _mm(At, dnum, PREC)
         tl.store(dv_ptr + po + t0 * e, dv, mask=vm)
-        dre = tl.dot(v, tl.trans(G_e), input_precision=PREC) + tl.dot(Pt, re, input_precision=PREC)
-        dro = tl.dot(v, tl.trans(G_o), input_precision=PREC) + tl.dot(Pt, ro, input_precision=PREC)
+        dre = _mm(v, tl.trans(G_e), PREC) + _mm(Pt, re, PREC)
+        dro = _mm(v, tl.trans(G_o), PREC) + _mm(Pt, ro, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)
         qe = dden[:, None] * fe
         qo = dden[:, None] * fo
@@ -313,8 +338,8 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         dko = (Z_o[None, :] + tl.cumsum(qo, axis=0, reverse=True) + dro) * km[:, None]
         _store_feature_grad(dk_ptr, grow, N, t0, tmask, p, m, d, dke, dko, ke, ko, oke, oko, xk, weT, woT, scale,
                             FAVOR, True, BD, PREC)
-        G_e += tl.dot(tl.trans(re), dnum, input_precision=PREC)
-        G_o += tl.dot(tl.trans(ro), dnum, input_precision=PREC)
+        G_e += _mm(tl.trans(re), dnum, PREC)
+        G_o += _mm(tl.trans(ro), dnum, PREC)
         Z_e += tl.sum(qe, axis=0)
         Z_o += tl.sum(qo, axis=0)
     _store_state(dS0_ptr, dz0_ptr, bh, p, vale, valo, ee, m, e, G_e, G_o, Z_e, Z_o, has_state)
