@@ -89,7 +89,7 @@ def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT
     tok = t0 + tl.arange(0, tmask.shape[0])
     fme = tmask[:, None] & vale[None, :]
     fmo = tmask[:, None] & valo[None, :]
-    km = tl.where(tmask, tl.load(km_row + tok, mask=tmask & has_mask, other=1.0).to(ACC), 0.0)
+    km = tl.where(tmask, tl.load(km_row + tok, mask=_with(tmask, has_mask), other=1.0).to(ACC), 0.0)
     if FAVOR:
         dd = tl.arange(0, BD)
         xo = tok[:, None] * x_dim + dd[None, :]
@@ -120,6 +120,13 @@ def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT
 
 
 @triton.jit
+def _with(mask, flag):
+    """mask & flag for a runtime scalar flag, broadcast first: Triton 3.9's interpreter gives a
+    tensor & scalar a non-bool dtype that tl.load refuses as a mask."""
+    return mask & (tl.zeros_like(mask) | flag)
+
+
+@triton.jit
 def _flags(FLAGS):
     """The runtime switches, packed as FLAGS = 3 + 4 * bits (odd and > 1, so Triton's integer
     specialisation never forks a variant): rotary, mask, initial state, output-state gradient."""
@@ -130,7 +137,7 @@ def _flags(FLAGS):
 @triton.jit
 def _tables(cos_ptr, sin_ptr, to, tmask, pmask, rotary):
     """cos, sin `[C, BP]` of the chunk; 1 and 0 (no rotation: Eq. 18) where not rotary."""
-    tm = tmask[:, None] & pmask[None, :] & rotary
+    tm = _with(tmask[:, None] & pmask[None, :], rotary)
     return tl.load(cos_ptr + to, mask=tm, other=1.0), tl.load(sin_ptr + to, mask=tm, other=0.0)
 
 
@@ -168,22 +175,22 @@ def _qmax_kernel(q_ptr, w_ptr, c_ptr, qmax_ptr, N, m, d, P,
 def _load_state(ptr, zptr, bh, p, vale, valo, ee, m, e, on, ACC: tl.constexpr):
     """S `[BH, m, e]`, z `[BH, m]` rows of the pairs: (S_e, S_o `[BP, BE]`, z_e, z_o `[BP]`); zeros if not on."""
     so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
-    em = (ee[None, :] < e) & on
+    em = _with(ee[None, :] < e, on)
     S_e = tl.load(ptr + so, mask=vale[:, None] & em, other=0.0).to(ACC)
     S_o = tl.load(ptr + so + e, mask=valo[:, None] & em, other=0.0).to(ACC)
-    z_e = tl.load(zptr + bh * m + 2 * p, mask=vale & on, other=0.0).to(ACC)
-    z_o = tl.load(zptr + bh * m + 2 * p + 1, mask=valo & on, other=0.0).to(ACC)
+    z_e = tl.load(zptr + bh * m + 2 * p, mask=_with(vale, on), other=0.0).to(ACC)
+    z_o = tl.load(zptr + bh * m + 2 * p + 1, mask=_with(valo, on), other=0.0).to(ACC)
     return S_e, S_o, z_e, z_o
 
 
 @triton.jit
 def _store_state(ptr, zptr, bh, p, vale, valo, ee, m, e, S_e, S_o, z_e, z_o, on):
     so = bh * m * e + (2 * p)[:, None] * e + ee[None, :]
-    em = (ee[None, :] < e) & on
+    em = _with(ee[None, :] < e, on)
     tl.store(ptr + so, S_e, mask=vale[:, None] & em)
     tl.store(ptr + so + e, S_o, mask=valo[:, None] & em)
-    tl.store(zptr + bh * m + 2 * p, z_e, mask=vale & on)
-    tl.store(zptr + bh * m + 2 * p + 1, z_o, mask=valo & on)
+    tl.store(zptr + bh * m + 2 * p, z_e, mask=_with(vale, on))
+    tl.store(zptr + bh * m + 2 * p + 1, z_o, mask=_with(valo, on))
 
 
 @triton.jit(do_not_specialize=_INTS)
