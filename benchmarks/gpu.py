@@ -34,9 +34,16 @@ to ``data/``; the device call carries both (``carry: [".whl", "data/enwiki-sampl
 """
 from __future__ import annotations
 
+import os
+import sys
+
+if "cpu" in sys.argv[sys.argv.index("--device") + 1:][:1] if "--device" in sys.argv else False:
+    # CPU mode: the Triton kernels' rows run in Triton's interpreter, which must be chosen before
+    # triton.language is first imported (torch may import it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
 import json
-import sys
 import time
 import traceback
 from pathlib import Path

@@ -62,8 +62,10 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-class PartTimeout(Exception):
-    """Raised inside a part when its wall-time budget is spent (see ``deadline``)."""
+class PartTimeout(BaseException):
+    """Raised inside a part when its wall-time budget is spent (see ``deadline``). A
+    BaseException, like KeyboardInterrupt: code that handles errors (``except Exception``: the
+    kernels' fallback, Triton's interpreter) must not take a spent budget for a failure."""
 
 
 @contextlib.contextmanager

@@ -63,6 +63,9 @@ def _correctness(p: dict) -> list[str]:
 def _speed(p: dict) -> list[str]:
     rows, cfg = p.get("rows", []), p.get("config", {})
     out = [f"- {n}: {d}" for n, d in p.get("impls", {}).items()] + [""]
+    if p.get("fla_warmup_s"):
+        out += ["fla's first calls (autotuning), before the timed cells: "
+                + ", ".join(f"{n} {fmt(v) + ' s' if isinstance(v, float) else v}" for n, v in p["fla_warmup_s"].items()), ""]
     if p.get("memory"):
         out += [f"Peak memory: {p['memory']}", ""]
     impls = list(p.get("impls", {}))
@@ -84,16 +87,18 @@ def _speed(p: dict) -> list[str]:
                         cells.append("needs CUDA" if str(r.get("status", "")).startswith(NEEDS_CUDA) else "-")
                 if all(not isinstance(c, float) for c in cells[2:]):
                     continue  # nothing measured in this row: the reasons are listed below the table
-                o, s = get.get("ours", {}), get.get("sdpa", {})
+                o, t, s = get.get("ours_torch", {}), get.get("ours_triton", {}), get.get("sdpa", {})
                 cells.append(s["ms"] / o["ms"] if "ms" in o and "ms" in s else None)
-                cells.append(f"{fmt(o['tflops'])} ({_pct(o.get('frac_bf16_peak')) or 'no peak'})" if "tflops" in o else None)
-                cells.append(f"{fmt(s['tflops'])} ({_pct(s.get('frac_bf16_peak')) or 'no peak'})" if "tflops" in s else None)
-                cells += [_cell(o.get("peak_mib")), _cell(s.get("peak_mib"))]
+                cells.append(s["ms"] / t["ms"] if "ms" in t and "ms" in s else None)
+                for r in (o, t, s):
+                    cells.append(f"{fmt(r['tflops'])} ({_pct(r.get('frac_bf16_peak')) or 'no peak'})" if "tflops" in r else None)
+                cells += [_cell(o.get("peak_mib")), _cell(t.get("peak_mib")), _cell(s.get("peak_mib"))]
                 table.append(cells)
         if table:
             out += [f"B={B}, H={H}, d={cfg.get('d')}, m={cfg.get('m')}, bf16; milliseconds (median):", "",
-                    format_table(["N", "mode", *[f"{i} ms" for i in impls], "sdpa/ours", "ours TFLOP/s",
-                                  "sdpa TFLOP/s", "ours MiB", "sdpa MiB"], table), ""]
+                    format_table(["N", "mode", *[f"{i} ms" for i in impls], "sdpa/ours_torch", "sdpa/ours_triton",
+                                  "ours_torch TFLOP/s", "ours_triton TFLOP/s", "sdpa TFLOP/s", "ours_torch MiB",
+                                  "ours_triton MiB", "sdpa MiB"], table), ""]
     if reasons:
         out += ["Not measured (\"-\", or rows left out):",
                 *[f"- {r} ({len(ns)} cells, N={min(ns)}..{max(ns)})" for r, ns in sorted(reasons.items())], ""]
@@ -101,7 +106,7 @@ def _speed(p: dict) -> list[str]:
     if isinstance(prof, dict):
         busy = (f"{prof['kernels']} kernels, {fmt(prof['kernel_ms'])} ms of kernel time = "
                 f"{_pct(prof['gpu_busy_fraction'])} of the wall time" if "kernel_ms" in prof else _cell(prof["kernels"]))
-        out += [f"Profile of ours, fwd+bwd at B={prof['B']}, H={prof['H']}, N={prof['N']} (torch.profiler): "
+        out += [f"Profile of {prof.get('impl', 'ours')} ({prof.get('path', '')}), fwd+bwd at B={prof['B']}, H={prof['H']}, N={prof['N']} (torch.profiler): "
                 f"{fmt(prof['wall_ms_profiled'])} ms wall; {busy}. Top ops by {prof['sorted_by']}: "
                 + ", ".join(f"{t['op']} {fmt(t['self_ms'])} ms ({_pct(t['share'])}, {t['calls']} calls)"
                             for t in prof["top"][:8]) + ".", ""]
@@ -121,21 +126,22 @@ def _training(p: dict) -> list[str]:
     out = [f"Preset `{p.get('preset')}` ({fmt(p.get('params', 0) / 1e6)}M parameters), sequence {p.get('seq')}, "
            f"{p.get('autocast')} autocast, {p.get('optimizer')}. Data: {p.get('data')}. {p.get('batch_note', '')}", ""]
     rows, why = [], []
-    for phase in ("eager", "compiled"):
+    for phase in ("eager", "eager_triton", "compiled"):
         r = p.get(phase)
         if isinstance(r, dict):
-            rows.append([phase, r["batch"], r["tokens_per_s"], _pct(r["mfu"]) or _cell(r["mfu"]), r["ms_per_step"],
+            rows.append([phase, r.get("path", "-"), r["batch"], r["tokens_per_s"], _pct(r["mfu"]) or _cell(r["mfu"]), r["ms_per_step"],
                          _cell(r["peak_memory_mib"]), r.get("compile_s"), r["timed_steps"], r["last_loss"]])
         elif r is not None:
             why.append(f"- {phase}: {r}")
     if rows:
-        out += [format_table(["phase", "batch", "tokens/s", "MFU (bf16 peak)", "ms/step", "peak MiB", "compile s",
+        out += [format_table(["phase", "attention path", "batch", "tokens/s", "MFU (bf16 peak)", "ms/step", "peak MiB", "compile s",
                               "timed steps", "last loss"], rows), ""]
     out += why + ([""] if why else [])
     if isinstance(p.get("compiled"), dict):
         c = p["compiled"]
         out += [f"Compiled vs eager, first compiled step's loss on one batch: {c['first_step_loss_compiled']:.4f} vs "
-                f"{c['same_batch_loss_eager']:.4f} eager; speedup {p.get('compiled_speedup', 0):.2f}x.", ""]
+                f"{c['same_batch_loss_eager']:.4f} eager; speedup {p.get('compiled_speedup', 0):.2f}x "
+                f"({p.get('compiled_speedup_note', '')}).", ""]
     curve = p.get("loss_curve", [])
     if curve:
         stride = max(1, len(curve) // 16)

@@ -1,17 +1,21 @@
 """Part 2 of ``benchmarks.gpu``: op speed, forward and fwd+bwd, bf16 inputs, d = 64.
 
-Implementations (q, k, v `[B, H, N, 64]` bf16; fla's in its own `[B, N, H, K]` layout):
+Every row names the implementation that ran (its ``path`` field), and both of our paths are
+timed, each forced, so that neither hides behind the dispatch:
 
-* ``ours``: ``linear_rope.rotary_linear_attention(q, k, v, projection=W)``, W `[266, 64]`: causal
-  Eq. 19 with FAVOR+ inside, the path ``RotaryLinearAttention`` takes. It computes in float32
-  whatever the input dtype (see ``linear_rope.ops.chunk``).
-* ``ours_triton``: the same call on the Triton kernels (``linear_rope.ops.triton``): FAVOR+,
-  RoPE and the running state on chip, TF32 GEMMs on bf16 inputs (CUDA with Triton only).
+* ``ours_torch``: ``linear_rope.rotary_linear_attention(q, k, v, projection=W)``, W `[266, 64]`,
+  under ``use_backend("torch")``: causal Eq. 19 with FAVOR+ inside on the torch path (chunked
+  batched GEMMs, float32 inside whatever the input dtype).
+* ``ours_triton``: the same call under ``use_backend("triton")``: the Triton kernels (FAVOR+,
+  RoPE and the running state on chip; TF32x3 exponents, rounded-TF32 GEMMs on bf16 inputs).
+  On the CPU (quick mode) they run in Triton's interpreter: the rows exist, their times mean nothing.
 * ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on CUDA (the default backend, with a note, if
   flash cannot run); exact softmax attention.
 * ``fla_chunk`` / ``fla_fused_chunk``: fla's ``chunk_linear_attn`` / ``fused_chunk_linear_attn``
   (normalised) on elu+1 features of K = 64 (its own feature map: no random features, no RoPE).
+  fla autotunes its kernels on their first call for a shape: each is called once per shape
+  and mode before the timed cells, and that cost is reported (``fla_warmup_s``).
 * ``performer``: performer-pytorch's ``FastAttention(64, 266, causal=True)`` in bf16.
 
 Times are medians of CUDA-event timed calls after one warmup (``gpu_common.time_call``);
@@ -31,13 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from linear_rope import FavorFeatures, rotary_linear_attention
+from linear_rope.ops.triton import kernel_status, use_backend
 
 from .attention import ours_flops, sdpa_flops
 from .gpu_common import NEEDS_CUDA, Ctx, PartTimeout, is_oom, one_line, time_call
 
 D, M, FLA_K = 64, 266, 64
 MODES = ("fwd", "fwd+bwd")
-FULL = dict(configs=((1, 12), (8, 12)), ns=(1024, 2048, 4096, 8192, 16384, 32768), reps=10, cell_max_s=0.5,
+FULL = dict(configs=((1, 12), (8, 12)), ns=(1024, 2048, 4096, 8192, 16384), reps=10, cell_max_s=0.5,
             profile=(8, 12, 4096))
 QUICK = dict(configs=((1, 2), (2, 2)), ns=(64, 128), reps=2, cell_max_s=0.1, profile=(1, 2, 128))
 PROFILE_MIN_S = 10.0  # budget left for the profile of ours
@@ -96,25 +101,32 @@ def _performer(ctx: Ctx):
     return fa, f"performer_pytorch FastAttention(64, 266, causal=True), bf16, causal path {path}"
 
 
+def _ours(W, path: str):
+    """The public op with its path forced: "torch" or "triton"."""
+    def call(q, k, v):
+        with use_backend(path):
+            return rotary_linear_attention(q, k, v, projection=W)
+    return call
+
+
 def _ours_triton(ctx: Ctx, W):
-    from linear_rope.ops.triton import triton_available
+    ok, why = kernel_status(ctx.device if ctx.cuda else None, forced=True)
+    if not ok:
+        return None, f"skipped: {why}"
+    where = why if ctx.cuda else f"{why}: interpreted on the CPU, times mean nothing"
+    return _ours(W, "triton"), f"{where}; linear_rope.rotary_linear_attention(projection=W [266, 64]) forced onto them"
 
-    if not ctx.cuda:
-        return None, f"{NEEDS_CUDA} (the Triton kernels)"
-    if not triton_available():
-        return None, "skipped: triton is not installed"
-    from linear_rope.ops.triton import rotary_linear_attention as op
 
-    return (lambda q, k, v: op(q, k, v, projection=W)), \
-        "linear_rope.ops.triton.rotary_linear_attention(projection=W [266, 64]): fused Triton kernels, TF32 GEMMs"
+PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "sdpa": "flash SDPA", "fla_chunk": "fla",
+         "fla_fused_chunk": "fla", "performer": "performer-pytorch"}
 
 
 def impls(ctx: Ctx) -> dict:
     """name -> (fn or None, description or skip reason)."""
     res = {}
     W = FavorFeatures(D, M).projection.to(ctx.device)
-    res["ours"] = (lambda q, k, v: rotary_linear_attention(q, k, v, projection=W),
-                   "linear_rope.rotary_linear_attention(projection=W [266, 64]), causal Eq. 19, float32 inside")
+    res["ours_torch"] = (_ours(W, "torch"), "torch path: linear_rope.rotary_linear_attention(projection=W [266, 64]) "
+                                            "forced onto it, causal Eq. 19, float32 inside")
     res["ours_triton"] = _ours_triton(ctx, W)
     for name, make in (("sdpa", lambda: _flash(ctx)), ("fla_chunk", lambda: _fla(ctx, False)),
                        ("fla_fused_chunk", lambda: _fla(ctx, True)), ("performer", lambda: _performer(ctx))):
@@ -175,6 +187,7 @@ def run(ctx: Ctx, res: dict) -> None:
                impls={n: d for n, (_, d) in ops.items()}, rows=[], crossover={},
                memory=None if ctx.cuda else f"{NEEDS_CUDA} (torch.cuda.max_memory_allocated)")
     gen = torch.Generator(device=ctx.device).manual_seed(0)
+    res["fla_warmup_s"] = _warm_fla(ctx, cfg, ops, gen)
     last: dict[tuple, float | str] = {}  # (B, H, impl, mode) -> ms at the last N, or why it stopped
     try:  # N outside, the two shapes inside: when the budget ends, both have the smaller N
         for n in cfg["ns"]:
@@ -190,7 +203,8 @@ def run(ctx: Ctx, res: dict) -> None:
             ctx.save()
         if ctx.left() > PROFILE_MIN_S or ctx.quick:
             try:
-                res["profile"] = profile_ours(ctx, ops["ours"][0], *cfg["profile"])
+                name = "ours_triton" if ops["ours_triton"][0] is not None and ctx.cuda else "ours_torch"
+                res["profile"] = dict(profile_ours(ctx, ops[name][0], *cfg["profile"]), impl=name, path=PATHS[name])
             except Exception as e:
                 res["profile"] = f"error: {one_line(e)}"
         else:
@@ -204,17 +218,42 @@ def run(ctx: Ctx, res: dict) -> None:
                     continue
                 ms = {i: {r["N"]: r.get("ms") for r in res["rows"] if (r["B"], r["H"], r["impl"], r["mode"]) == (B, H, i, mode)}
                       for i in ops}
-                res["crossover"][key] = {"ours_vs_sdpa": crossover(cfg["ns"], ms["ours"], ms["sdpa"]),
+                res["crossover"][key] = {"ours_torch_vs_sdpa": crossover(cfg["ns"], ms["ours_torch"], ms["sdpa"]),
                                          "ours_triton_vs_sdpa": crossover(cfg["ns"], ms["ours_triton"], ms["sdpa"]),
                                          "ours_triton_vs_fla_chunk": crossover(cfg["ns"], ms["ours_triton"],
                                                                                ms["fla_chunk"]),
                                          "fla_chunk_vs_sdpa": crossover(cfg["ns"], ms["fla_chunk"], ms["sdpa"])}
 
 
+def _warm_fla(ctx: Ctx, cfg, ops, gen) -> dict:
+    """fla autotunes each kernel on its first call for a shape: call every fla op once per
+    (B, H) and N, forward and backward, before the timed cells; {impl: seconds spent}."""
+    spent = {}
+    for name in ("fla_chunk", "fla_fused_chunk"):
+        fn = ops[name][0]
+        if fn is None:
+            continue
+        t0 = time.perf_counter()
+        try:
+            for B, H in cfg["configs"]:
+                for n in cfg["ns"]:
+                    leaves = [torch.randn(B, n, H, D, device=ctx.device, dtype=torch.bfloat16,
+                                          generator=gen).requires_grad_() for _ in range(3)]
+                    out = fn(*leaves)
+                    torch.autograd.grad(out, leaves, torch.ones_like(out))
+                    del leaves, out
+            ctx.sync()
+            spent[name] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - recorded; its cells say what fails
+            spent[name] = f"error after {time.perf_counter() - t0:.1f} s: {one_line(e)}"
+        ctx.save()
+    return spent
+
+
 def _cell(ctx: Ctx, cfg, res, last, key, n, fn, desc, q, k, v, peak) -> None:
     """Measure one (B, H, impl, mode) at N into a new row of ``res``, or say why not."""
     B, H, name, mode = key
-    row = {"B": B, "H": H, "N": n, "impl": name, "mode": mode}
+    row = {"B": B, "H": H, "N": n, "impl": name, "path": PATHS[name], "mode": mode}
     res["rows"].append(row)
     if fn is None:
         row["status"] = desc
@@ -227,6 +266,9 @@ def _cell(ctx: Ctx, cfg, res, last, key, n, fn, desc, q, k, v, peak) -> None:
     est = 3 * (prev or 0.0) * GROWTH.get(name, 2.2) / 1e3 + (cfg["cell_max_s"] if prev else 0.0)
     if ctx.left() < max(est, 1.0):
         row.update(status="skipped: part budget spent", detail=f"{ctx.left():.0f} s left, forecast {est:.1f} s")
+        return
+    if name == "ours_triton" and not ctx.cuda and ((n, B, H) != (cfg["ns"][0], *cfg["configs"][0]) or mode != "fwd"):
+        row["status"] = "skipped: interpreted on the CPU, one cell only (the first forward) shows the path runs"
         return
     why = _performer_too_big(ctx, B, H, n, mode) if name == "performer" else None
     if why:
@@ -256,6 +298,8 @@ def _measure(ctx: Ctx, name: str, fn, mode: str, q, k, v, cfg) -> dict:
         def call():
             with torch.no_grad():
                 fn(q, k, v)
+        if name == "ours_triton" and not ctx.cuda:  # the interpreter: one untimed-warmup-free call
+            return time_call(ctx, call, reps=1, max_s=0.0, warmup=0)
         return time_call(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.no_grad():

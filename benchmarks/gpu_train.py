@@ -2,8 +2,11 @@
 
 **Training** (part 3): the ``paper`` preset (``tiny`` in CPU quick mode) on byte crops of the
 corpus, AdamW (lr ``LR`` after ``WARMUP`` linear warmup steps, gradients clipped at 1), bf16
-autocast, no feature redraws. First eager, then the same model and optimizer compiled in place
-(``model.compile()``), so one loss curve runs through both phases. The batch starts at
+autocast, no feature redraws. First eager on the torch path, then eager on the Triton kernels
+(CUDA, where they run), then the same model and optimizer compiled in place
+(``model.compile()``: the graph holds the torch path's custom op), so one loss curve runs
+through the phases, each naming the attention path it took; ``compiled_speedup`` compares the
+compiled phase with the eager one on the same (torch) path. The batch starts at
 ``--train-batch`` and is halved on out-of-memory. Reported per phase: tokens/s over the timed
 steps (after warmup), model FLOP utilisation against the card's dense bf16 peak, the peak
 memory, and the loss every step::
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from linear_rope import PerformerLM
 from linear_rope.model import MODEL_PRESETS
+from linear_rope.ops.triton import kernel_status, record_paths, use_backend
 
 from .attention import ours_flops
 from .gpu_common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
@@ -94,13 +98,15 @@ class _Run:
                 self.batch //= 2
 
     def phase(self, name: str, seconds: float, warmup: int) -> dict:
-        """``warmup`` untimed steps, then timed steps for about ``seconds``."""
+        """``warmup`` untimed steps, then timed steps for about ``seconds``; ``path``: the
+        attention path the warmup steps took (``record_paths``)."""
         ctx, cfg = self.ctx, self.cfg
         t0 = time.perf_counter()
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        for _ in range(warmup):
-            self.curve.append([self.step_no, float(self.step()), name])
+        with record_paths() as paths:
+            for _ in range(max(1, warmup)):
+                self.curve.append([self.step_no, float(self.step()), name])
         warm_s = time.perf_counter() - t0
         ctx.sync()
         t1, losses, steps = time.perf_counter(), [], 0
@@ -115,7 +121,8 @@ class _Run:
         tps = steps * self.batch * cfg["seq"] / dt
         peak = ctx.peak_tflops()
         mfu = self.res["flops_per_token"] * tps / (peak * 1e12) if peak else None
-        return {"batch": self.batch, "tokens_per_step": self.batch * cfg["seq"], "warmup_steps": warmup,
+        return {"path": "; ".join(dict.fromkeys(paths)) or "torch path (compiled: linear_rope::chunk_causal)",
+                "batch": self.batch, "tokens_per_step": self.batch * cfg["seq"], "warmup_steps": warmup,
                 "warmup_s": warm_s, "timed_steps": steps, "timed_s": dt, "tokens_per_s": tps,
                 "ms_per_step": 1e3 * dt / steps, "mfu": mfu if peak else f"{NEEDS_CUDA} (no bf16 peak for the CPU)",
                 "peak_memory_mib": _mem_mib(ctx), "last_loss": self.curve[-1][1]}
@@ -126,31 +133,46 @@ def run_training(ctx: Ctx, res: dict) -> None:
     cfg = QUICK if ctx.quick else FULL
     run = _Run(ctx, cfg, res)
     res["batch_note"] = "batch x seq tokens per step; the paper's batch is 128 (gradient accumulation not used here)"
-    run.fit_batch()
-    res["eager"] = run.phase("eager", ctx.left() * cfg["eager_share"], cfg["warmup_steps"])
-    print(f"[training] eager: {res['eager']['tokens_per_s']:.0f} tokens/s, batch {run.batch}", flush=True)
+    with use_backend("torch"):
+        run.fit_batch()
+        res["eager"] = run.phase("eager", ctx.left() * cfg["eager_share"] / 2, cfg["warmup_steps"])
+    print(f"[training] eager, {res['eager']['path']}: {res['eager']['tokens_per_s']:.0f} tokens/s, "
+          f"batch {run.batch}", flush=True)
     ctx.save()
+    ok, why = kernel_status(ctx.device if ctx.cuda else None)
+    if not ctx.cuda:
+        res["eager_triton"] = f"{NEEDS_CUDA} (the Triton kernels are timed on CUDA only: interpreted, times mean nothing)"
+    elif not ok:
+        res["eager_triton"] = f"skipped: {why}"
+    else:
+        with use_backend("triton"):
+            res["eager_triton"] = run.phase("eager, triton", ctx.left() * cfg["eager_share"] / 2, cfg["warmup_steps"])
+        print(f"[training] eager, {res['eager_triton']['path']}: {res['eager_triton']['tokens_per_s']:.0f} tokens/s",
+              flush=True)
+        ctx.save()
     if not ctx.compile:
         res["compiled"] = (f"{NEEDS_CUDA} (torch.compile is timed on CUDA only: a CPU compile of even the "
                            "tiny model takes minutes here; --compile on forces it)" if not ctx.cuda else
                            "skipped: --compile off")
         return
     fixed = batch_of(run.corpus, run.batch, cfg["seq"], torch.Generator().manual_seed(1))
-    with torch.no_grad(), torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(ctx.device.type, dtype=torch.bfloat16), use_backend("torch"):
         eager_logits = run.model(fixed[0].to(ctx.device)).float()
     res["compiled"] = "error: did not finish compiling within the part's budget"
     t0 = time.perf_counter()
     run.model.compile()
-    first = float(run.step(fixed))  # compiles forward and backward
-    compile_s = time.perf_counter() - t0
-    run.curve.append([run.step_no - 1, first, "compiled (first step, compiling)"])
-    eager_loss = float(F.cross_entropy(eager_logits.reshape(-1, eager_logits.shape[-1]),
-                                       fixed[1].to(ctx.device).reshape(-1)))
-    out = run.phase("compiled", ctx.left() - 5, cfg["warmup_steps"])
+    with use_backend("torch"):  # the compiled graph holds the torch path's custom op: eager is compared on it too
+        first = float(run.step(fixed))  # compiles forward and backward
+        compile_s = time.perf_counter() - t0
+        run.curve.append([run.step_no - 1, first, "compiled (first step, compiling)"])
+        eager_loss = float(F.cross_entropy(eager_logits.reshape(-1, eager_logits.shape[-1]),
+                                           fixed[1].to(ctx.device).reshape(-1)))
+        out = run.phase("compiled", ctx.left() - 5, cfg["warmup_steps"])
     out.update(compile_s=compile_s, first_step_loss_compiled=first, same_batch_loss_eager=eager_loss,
                loss_diff=abs(first - eager_loss))
     res["compiled"] = out
     res["compiled_speedup"] = out["tokens_per_s"] / res["eager"]["tokens_per_s"]
+    res["compiled_speedup_note"] = "compiled over eager, both on the torch path"
 
 
 def run_generation(ctx: Ctx, res: dict) -> None:

@@ -1,5 +1,6 @@
 """``python -m benchmarks.gpu``: the CPU quick mode runs every part and names it; CUDA-only parts
 say so; failures reach the exit code. No timing asserts. Outputs go to a temporary directory."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -76,10 +77,18 @@ def test_cpu_quick_says_what_needs_cuda(cpu_quick):
     assert speed["memory"].startswith(NEEDS_CUDA)
     assert all(v.startswith(NEEDS_CUDA) for v in speed["crossover"].values())
     ok = [r for r in speed["rows"] if r["status"] == "ok"]
-    assert {r["impl"] for r in ok} == {"ours", "sdpa", "performer"}
+    triton = importlib.util.find_spec("triton") is not None
+    assert {r["impl"] for r in ok} == {"ours_torch", "sdpa", "performer"} | ({"ours_triton"} if triton else set())
     assert all(r["ms"] > 0 and r["peak_mib"] == NEEDS_CUDA for r in ok)
+    paths = {r["impl"]: r["path"] for r in speed["rows"]}  # every row names the implementation that ran
+    assert paths["ours_torch"] == "torch path" and paths["ours_triton"] == "triton kernels"
+    assert {paths["sdpa"], paths["fla_chunk"], paths["performer"]} == {"flash SDPA", "fla", "performer-pytorch"}
+    if triton:
+        assert speed["impls"]["ours_triton"].startswith("triton kernels (interpreter")
+        assert "| ours_torch ms | ours_triton ms |" in md.replace("  ", " ")
     train = data["parts"]["training"]
     assert train["compiled"].startswith(NEEDS_CUDA) and train["eager"]["mfu"].startswith(NEEDS_CUDA)
+    assert train["eager"]["path"].startswith("torch path") and train["eager_triton"].startswith(NEEDS_CUDA)
     assert train["eager"]["tokens_per_s"] > 0 and len(train["loss_curve"]) >= 2
     gen = data["parts"]["generation"]
     assert [r["status"] for r in gen["rows"]] == ["ok", "ok"]
@@ -143,7 +152,7 @@ def test_cuda_quick(tmp_path):
     speed = data["parts"]["op_speed"]
     assert "flash" in speed["impls"]["sdpa"] and speed["memory"] is None
     for r in speed["rows"]:
-        if r["impl"] in ("ours", "sdpa"):
+        if r["impl"] in ("ours_torch", "ours_triton", "sdpa"):
             assert r["status"] == "ok" and r["peak_mib"] >= 0, r
         if r["impl"].startswith("fla"):
             assert r["status"] == "ok" or r["status"].startswith("skipped: fla not installed"), r
