@@ -223,35 +223,36 @@ def test_cpu40m_is_cpu20m_with_issue24s_recipe_and_twice_the_bytes():
     assert t_new["steps"] * bytes_per_step >= 40_000_000 and t_old["steps"] * bytes_per_step >= 20_000_000
 
 
-def test_gpu24_script_trains_exports_and_packs_the_results(tmp_path, small_corpus):
-    """results/gpu24/run.sh (issue 24's GPU item) end to end at the tiny preset on the CPU: each
-    variant trains, the call exports into the results folder, keeps the earlier calls' runs, and
-    packs the folder into one tarball for the device's $OUT."""
+def test_paper_width_script_trains_exports_and_packs_the_results(tmp_path, small_corpus):
+    """results/gpu_paper_width/run.sh (the GPU plan's ablation) end to end at the tiny preset on
+    the CPU: each variant trains on the path it names, the call exports into the results folder,
+    keeps the earlier calls' runs, and packs the folder into one tarball for the device's $OUT."""
     import os
     import subprocess
     import sys
     import tarfile
 
-    from linear_rope.results import plots
-
     root = Path(__file__).resolve().parents[1]
-    results = tmp_path / "gpu24"
+    results = tmp_path / "gpu_paper_width"
     env = {**os.environ, "PRESET": "tiny", "DEVICE": "cpu", "STEPS": "2", "DATA": str(small_corpus),
-           "RESULTS": str(results), "OUT": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for variants in ("softmax", "rope_pre"):  # two device calls, each with its own variants
+           "RESULTS": str(results), "OUT": str(tmp_path), "PYTHON": sys.executable}
+    env.pop("LINEAR_ROPE_BACKEND", None)
+    for variants in ("softmax", "rope_norm"):  # two device calls, each with its own variants
         # a fresh machine each call: its run dirs are gone, the results folder travelled
-        r = subprocess.run(["bash", str(root / "results/gpu24/run.sh")],
+        r = subprocess.run(["bash", str(root / "results/gpu_paper_width/run.sh")],
                            env={**env, "VARIANTS": variants, "RUNS": str(tmp_path / f"runs-{variants}")},
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((results / "summary.json").read_text())
-    assert sorted(summary["variants"]) == ["rope_pre", "softmax"]
+    assert sorted(summary["variants"]) == ["rope_norm", "softmax"]
     assert summary["variants"]["softmax"]["steps"] == [2]
-    assert {r["variant"] for r in plots.read_csv(results / "extrapolation.csv")} == {"rope_pre", "softmax"}
-    cfg = json.loads((results / "runs.json").read_text())["rope_pre-seed0"]["config"]
+    cfg = json.loads((results / "runs.json").read_text())["rope_norm-seed0"]["config"]
     assert cfg["model"]["qk_norm"] and cfg["model"]["feature_redraw_interval"] == 0
-    with tarfile.open(tmp_path / "gpu24.tar.gz") as tar:
+    paths = json.loads((results / "attention_paths.json").read_text())  # this call's runs
+    assert paths == {"rope_norm-seed0": "torch path (LINEAR_ROPE_BACKEND=torch)"}
+    assert "Attention path of each run (LINEAR_ROPE_BACKEND=torch)" in (results / "tables.md").read_text()
+    with tarfile.open(tmp_path / "gpu_paper_width.tar.gz") as tar:
         names = tar.getnames()
-    assert any(n.endswith("gpu24/summary.json") for n in names)
+    assert any(n.endswith("gpu_paper_width/summary.json") for n in names)
     assert any(n.endswith("logs/softmax-seed0.log") for n in names) and any(n.endswith("tables.md") for n in names)
+    assert not (tmp_path / "gpu_paper_width.tar.gz.tmp").exists()
