@@ -93,13 +93,11 @@ def test_every_keyword_equals_the_heads_first_op(favor, case, rotary):
         S0, z0 = state(kw["initial_state"])
         kw["initial_state"] = LinearAttentionState(S0, z0)
         leaves += [S0, z0]
-    # the scale fla would use by default is given explicitly on features (it cancels in Eq. 19, so
-    # only then do the op and the reference see the very same q); FAVOR+ leaves q as it is
-    scale = None if favor else 0.5
+    scale = None if favor else 0.5  # on features any scale cancels in Eq. 19: the op's q, exactly
     o, st = chunk_rotary_linear_attn(q, k, v, scale, projection=w, rotary=rotary, **kw)
     assert o.shape == (B, T, H, E) and o.dtype == v.dtype
     assert (st is None) == (not kw.get("output_final_state", False))
-    heads = [t.transpose(1, 2) for t in (q * (1 if favor else scale), k, v)]
+    heads = [t.transpose(1, 2) for t in (q, k, v)]
     res = op(*heads, projection=w, rotary=rotary, **kw)
     ref = naive(*heads, projection=w, rotary=rotary, **kw)
     res, ref = ((r, ) if isinstance(r, torch.Tensor) else (r[0], *r[1]) for r in (res, ref))
@@ -119,18 +117,18 @@ def test_every_keyword_equals_the_heads_first_op(favor, case, rotary):
 
 
 @pytest.mark.parametrize("rotary", ROT)
-def test_scale_cancels_on_features_as_in_fla(rotary):
+def test_scale_on_features_is_fla_s_and_cancels(rotary):
     """fla multiplies q by ``scale`` (default 1/sqrt(K)) in the numerator and the normaliser:
-    Eq. 19's ratio does not change (rounding only), while ``scale`` reaches q exactly."""
+    the result is the op's on ``q * scale`` (to rounding), which is the op's on q, state included."""
     q, k, v, _ = make(2, False, seed=5)
     heads = [t.transpose(1, 2) for t in (q, k, v)]
-    plain = op(*heads, rotary=rotary).transpose(1, 2)
+    plain, (S, z) = op(*heads, rotary=rotary, output_final_state=True)
     for scale in (None, 1.0, 0.125, 3.0):
-        o, _ = chunk_rotary_linear_attn(q, k, v, scale, rotary=rotary)
-        close(o, plain, 1e-12)
+        o, st = chunk_rotary_linear_attn(q, k, v, scale, rotary=rotary, output_final_state=True)
+        assert torch.equal(o, plain.transpose(1, 2)) and torch.equal(st.S, S) and torch.equal(st.z, z)
         factor = M ** -0.5 if scale is None else scale
-        exact = op(q.transpose(1, 2) * factor, *heads[1:], rotary=rotary).transpose(1, 2)
-        assert torch.equal(o, exact)
+        scaled = op(heads[0] * factor, *heads[1:], rotary=rotary).transpose(1, 2)
+        close(o, scaled, 1e-12)
 
 
 def test_scale_with_favor_is_the_softmax_temperature():

@@ -44,13 +44,15 @@ def chunk_rotary_linear_attn(
         q, k: `[B, T, H, m]` non-negative features; or, with ``projection``, raw queries and keys
             `[B, T, H, d]` whose FAVOR+ features are computed inside.
         v: `[B, T, H, e]` values.
-        scale: as in fla's ``chunk_linear_attn``, a factor on q (None: ``1 / sqrt(q.shape[-1])``,
-            fla's default). fla multiplies q by it in the numerator and in the normaliser alike,
-            and so does this op: Eq. 19's normalisation is always on, so on features the scale
-            cancels in the ratio (the output changes by rounding only). With ``projection`` it
-            is the temperature of the softmax kernel that FAVOR+ estimates, ``exp(scale * q.k)``:
-            FAVOR+ already holds ``1 / sqrt(d)`` (each of q, k times ``d ** -0.25``), so q is
-            multiplied by ``scale * sqrt(d)``, i.e. not touched at the default.
+        scale: as in fla's ``chunk_linear_attn``: a factor on q, in the numerator and in the
+            normaliser alike (None: fla's default ``1 / sqrt(q.shape[-1])``). On features it
+            cancels in Eq. 19's ratio, whose normalisation is always on (fla's ``normalize=True``
+            cancels it too, up to its 1e-10), and it leaves the state alone (a sum over keys),
+            so it is checked and not multiplied in: the result is that of ``q * scale`` up to
+            rounding, at no cost. With ``projection`` it is the temperature of the softmax
+            kernel that FAVOR+ estimates, ``exp(scale * q.k)``: FAVOR+ holds ``1 / sqrt(d)``
+            already (q and k each times ``d ** -0.25``), so q is multiplied by
+            ``scale * sqrt(d)``, and not touched at the default.
         initial_state: the state of the tokens before these: ``LinearAttentionState(S, z)`` (or
             an ``(S, z)`` pair), S `[B, H, m, e]`, z `[B, H, m]` (one row per document with
             ``cu_seqlens``), as ``rotary_linear_attention`` and the decoding step use it. fla's
@@ -73,12 +75,9 @@ def chunk_rotary_linear_attn(
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
                               or scale == float("inf")):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
-    if projection is None:
-        factor = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    else:
-        factor = 1.0 if scale is None else float(scale) / q.shape[-1] ** -0.5  # exactly 1 at fla's default
-    if factor != 1.0:
-        qh = qh * factor
+    if projection is not None and scale is not None:
+        factor = float(scale) / q.shape[-1] ** -0.5  # exactly 1 at fla's default
+        qh = qh if factor == 1.0 else qh * factor
     res = rotary_linear_attention(qh, kh, vh, causal=True, rotary=rotary, offset=offset, projection=projection,
                                   mask=mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                   output_final_state=output_final_state)
