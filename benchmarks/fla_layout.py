@@ -124,7 +124,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
         + [target(f"{k}: extra copy time / op time (profiled), N={cfg['n']}", copies[k], "<=", TARGET - 1)
            for k in copies],
         "notes": [f"medians of {rounds} interleaved rounds; causal Eq. 19, fp32, inputs contiguous in each call's "
-                  f"own layout; the fla calls transpose views into the op and its output back (a view)."]
+                  f"own layout; the fla calls copy q, k, v transposed (contiguous) into the op and return its output transposed (a view)."]
         + [f"profiled {k}: {prof[k]['total_ms']:.0f} ms, of which copies {prof[k]['copy_ms']:.0f} ms" for k in prof],
     }
     return report(result, out_dir)

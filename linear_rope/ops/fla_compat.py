@@ -5,8 +5,8 @@ initial_state=None, output_final_state=False, cu_seqlens=None) -> (o, final_stat
 `[B, T, H, D]` tensors. This is a thin wrapper over ``rotary_linear_attention`` (`[B, H, N, d]`,
 ``chunk.py``): the same paths (the chunked custom op on the CPU, the Triton kernels on CUDA), the
 same checks and the same state, behind fla's names, with this op's own options keyword-only.
-The transposes are views; the op reads them in place (``benchmarks/fla_layout.py`` measures the
-overhead at N = 4096).
+q, k and v are transposed into one contiguous copy each, the output back as a view
+(``benchmarks/fla_layout.py`` measures what the transposes cost at N = 4096).
 """
 from __future__ import annotations
 
@@ -19,9 +19,13 @@ __all__ = ["chunk_rotary_linear_attn"]
 
 
 def _heads_first(name: str, t) -> torch.Tensor:
+    """`[B, T, H, x]` -> `[B, H, T, x]`, contiguous: the op lays its input out contiguously
+    anyway (one copy either way), and autograd then keeps this copy for the backward, which would
+    otherwise copy the transposed view again."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
-        raise ValueError(f"{name} must be a tensor [B, T, H, .] (fla's layout), got {list(getattr(t, 'shape', [])) or type(t).__name__}")
-    return t.transpose(1, 2)
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a tensor [B, T, H, .] (fla's layout), got {got}")
+    return t.transpose(1, 2).contiguous()
 
 
 def chunk_rotary_linear_attn(
