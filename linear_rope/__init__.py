@@ -5,6 +5,7 @@ from .features import FavorFeatures
 from .model import ModelConfig, PerformerLM
 from .ops import (
     LinearAttentionState,
+    chunk_rotary_linear_attn,
     naive_rotary_linear_attention,
     rotary_linear_attention,
     rotary_linear_attention_step,
@@ -14,6 +15,7 @@ from .rotary import apply_rotary
 __all__ = [
     "apply_rotary",
     "rotary_linear_attention",
+    "chunk_rotary_linear_attn",
     "rotary_linear_attention_step",
     "naive_rotary_linear_attention",
     "LinearAttentionState",

@@ -70,6 +70,9 @@ def draw_orthogonal_projection(
     """
     from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 
+    if torch.empty(0).device.type == "meta":  # a model built on the meta device (transformers'
+        return torch.empty(nb_features, dim_head)  # from_pretrained) gets its projection loaded
+
     def draw():
         w = gaussian_orthogonal_random_matrix(nb_features, dim_head, scaling=0)
         signs = torch.randint(0, 2, (nb_features, 1)).to(w) * 2 - 1

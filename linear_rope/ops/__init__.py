@@ -11,15 +11,19 @@ cu_seqlens, initial_state, output_final_state, allow_negative)`` and return `[B,
 * ``recurrent.py`` token by token (``recurrent_rotary_linear_attention``), and the one-token
                    step decoding uses (``rotary_linear_attention_step``);
 * ``utils.py``     the state type and the argument checks the three share (positions resolved
-                   once there).
+                   once there);
+* ``fla_compat.py`` ``chunk_rotary_linear_attn``: the fast path in fla's `[B, T, H, .]` layout and
+                   signature.
 """
 from .chunk import rotary_linear_attention
+from .fla_compat import chunk_rotary_linear_attn
 from .naive import eq19_weights, naive_rotary_linear_attention
 from .recurrent import recurrent_rotary_linear_attention, rotary_linear_attention_step
 from .utils import LinearAttentionState
 
 __all__ = [
     "rotary_linear_attention",
+    "chunk_rotary_linear_attn",
     "rotary_linear_attention_step",
     "recurrent_rotary_linear_attention",
     "naive_rotary_linear_attention",

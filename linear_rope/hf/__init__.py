@@ -1,0 +1,35 @@
+"""Hugging Face integration (``pip install -e ".[hf]"``): every ``PerformerLM`` variant as a
+transformers causal LM, registered with ``AutoConfig``, ``AutoModelForCausalLM`` and
+``AutoTokenizer`` when this module is imported.
+
+    import linear_rope.hf  # registers model_type "linear_rope"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained("exported/")   # python -m linear_rope.export RUN OUT
+    tok = AutoTokenizer.from_pretrained("exported/")
+    ids = tok(["The ", "Rotary "], return_tensors="pt", padding=True)  # left padding
+    out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+
+* ``configuration.py`` ``LinearRopeConfig``: ``ModelConfig``'s fields;
+* ``modeling.py``      ``LinearRopeForCausalLM`` and its ``RecurrentCache`` (the O(1) state);
+* ``tokenization.py``  ``ByteTokenizer``: UTF-8 bytes, id = byte;
+* ``export.py``        ``python -m linear_rope.export RUN_DIR OUT_DIR``: a training run's
+                       checkpoint as a ``save_pretrained`` folder (safetensors).
+"""
+from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # one line, with the fix
+    raise ImportError(f"linear_rope.hf needs transformers: pip install -e \".[hf]\" ({e})") from None
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from .configuration import LinearRopeConfig
+from .modeling import LinearRopeForCausalLM, RecurrentCache
+from .tokenization import ByteTokenizer
+
+__all__ = ["LinearRopeConfig", "LinearRopeForCausalLM", "RecurrentCache", "ByteTokenizer"]
+
+AutoConfig.register(LinearRopeConfig.model_type, LinearRopeConfig, exist_ok=True)
+AutoModelForCausalLM.register(LinearRopeConfig, LinearRopeForCausalLM, exist_ok=True)
+AutoTokenizer.register(LinearRopeConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)

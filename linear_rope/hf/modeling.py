@@ -1,0 +1,207 @@
+"""LinearRopeForCausalLM: ``PerformerLM`` as a Hugging Face causal LM, decoding on its O(1) state.
+
+The weights are ``PerformerLM``'s, under ``model.`` (FAVOR+ projections included: they are
+buffers of the state dict), so a training run's checkpoint converts with no renaming
+(``linear_rope.hf.export``). ``generate()`` keeps a ``RecurrentCache``: one
+``LinearAttentionState`` (S, z) per layer, O(1) in the context (the ``softmax`` anchor keeps its
+key/value cache there), and each row's next position. Left-padded rows under an
+``attention_mask`` get the positions they get alone, as in ``PerformerLM.generate``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..model import PerformerLM
+from ..ops import LinearAttentionState
+from ..softmax_attention import KVCache
+from .configuration import LinearRopeConfig
+
+__all__ = ["LinearRopeForCausalLM", "RecurrentCache"]
+
+# transformers 5 names the cache ``cache`` in model outputs (``past_key_values`` before).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class RecurrentCache:
+    """What decoding carries from one forward to the next, updated in place (as Hugging Face
+    caches are): ``states`` (one per layer, as ``PerformerLM.step`` takes them) and
+    ``positions`` `[B]`, the number of real tokens each row has seen (its next position)."""
+
+    is_compileable = False  # generate() must not try to compile a static cache around it
+    is_croppable = False
+
+    def __init__(self, states: list, positions: torch.Tensor):
+        self.states, self.positions = list(states), positions
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer: the state is a fixed-size summary (generate() never slices inputs by its length)."""
+        return [True] * len(self.states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.positions.max()) if self.positions.numel() else 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues from row ``beam_idx[i]``."""
+        pick = lambda t: t.index_select(0, beam_idx.to(t.device))  # noqa: E731
+        self.states = [None if s is None else type(s)(*map(pick, s)) for s in self.states]
+        self.positions = pick(self.positions)
+
+
+def _keep_where(real: torch.Tensor, new, old):
+    """A padded token leaves a row's state as it was: ``new`` where ``real`` `[B]`, else ``old``."""
+    if isinstance(new, KVCache):  # the softmax anchor appended the token: mark its key padding
+        return new._replace(key_mask=torch.cat([new.key_mask[:, :-1], real[:, None]], 1))
+    old = old or LinearAttentionState(torch.zeros_like(new.S), torch.zeros_like(new.z))
+    return LinearAttentionState(torch.where(real.view(-1, 1, 1, 1), new.S, old.S),
+                                torch.where(real.view(-1, 1, 1), new.z, old.z))
+
+
+class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
+    """Byte-level causal LM (every ``PerformerLM`` variant), Hugging Face's interface.
+
+    ``LinearRopeForCausalLM(LinearRopeConfig.from_preset("tiny"))`` builds a fresh model with
+    ``PerformerLM``'s own initialisation; ``from_performer(lm)`` wraps a trained one (its weights
+    are shared, not copied).
+    """
+
+    config_class = LinearRopeConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _is_stateful = True  # no assisted decoding: a state cannot rewind
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: LinearRopeConfig):
+        super().__init__(config)
+        self.model = PerformerLM(config.to_model_config())
+        self.post_init()
+
+    def _init_weights(self, module):
+        """Nothing: ``PerformerLM`` initialises its weights (GPT-2 style) and draws its FAVOR+
+        projections itself; loaded checkpoints hold every weight and projection."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward() makes its own RecurrentCache
+
+    @classmethod
+    def from_performer(cls, lm: PerformerLM, **config_kwargs) -> "LinearRopeForCausalLM":
+        """Wrap a ``PerformerLM`` (its config and its weights, shared)."""
+        with torch.device("meta"):  # no throwaway weights, no draw from the global RNG
+            hf = cls(LinearRopeConfig.from_model_config(lm.cfg, **config_kwargs))
+        hf.model = lm
+        return hf.train(lm.training)
+
+    def get_input_embeddings(self):
+        return self.model.tok_emb
+
+    def set_input_embeddings(self, value):
+        self.model.tok_emb = value
+
+    def get_output_embeddings(self):
+        return self.model.head
+
+    def set_output_embeddings(self, value):
+        self.model.head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        past_key_values: RecurrentCache | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        cache: RecurrentCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """input_ids `[B, N]` -> ``CausalLMOutputWithPast`` (logits `[B, N, 256]`).
+
+        Args:
+            attention_mask: `[B, N]` (or `[B, past + N]` with a cache) 1 = real token, 0 =
+                padding, left or right; each row's real tokens get the logits they get alone,
+                at positions that count its real tokens only (``position_ids`` are not read).
+            labels: `[B, N]`, shifted inside (``labels = input_ids`` trains next-byte
+                prediction); -100 is ignored. The loss is the mean cross-entropy, as the trainer's
+                (or the sum over ``num_items_in_batch``, as Hugging Face's Trainer passes it).
+            past_key_values / cache: a ``RecurrentCache``; input_ids then holds the new tokens
+                only, read one step at a time (O(1) each). Updated in place and returned.
+            use_cache: return the cache (default ``config.use_cache``, off in training).
+        """
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds: a byte-level model takes input_ids only")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, RecurrentCache):
+            raise ValueError(f"past_key_values must be a RecurrentCache (from this model), got {type(cache).__name__}")
+        use_cache = use_cache if use_cache is not None else (getattr(self.config, "use_cache", True) and not self.training)
+        B, N = input_ids.shape
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < N:
+                raise ValueError(f"attention_mask must be [B={B}, >= N={N}] (1 = real token), "
+                                 f"got {list(attention_mask.shape)}")
+            mask = attention_mask[:, -N:].bool()
+            mask = None if bool(mask.all()) else mask
+        if cache is None:
+            logits, cache = self._read_prompt(input_ids, mask, use_cache)
+        else:
+            logits = self._read_tokens(input_ids, mask, cache)
+        loss = None
+        if labels is not None:
+            loss = self._next_byte_loss(logits, labels, kwargs.get("num_items_in_batch"))
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
+        return out if return_dict is not False else out.to_tuple()
+
+    def _read_prompt(self, ids, mask, use_cache):
+        if not use_cache:
+            return self.model(ids, mask=mask), None
+        logits, states = self.model(ids, mask=mask, output_final_state=True)
+        pos = mask.sum(1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+        return logits, RecurrentCache(states, pos)
+
+    def _read_tokens(self, ids, mask, cache: RecurrentCache) -> torch.Tensor:
+        """Token by token from the cache: one ``PerformerLM.step`` per token and layer."""
+        if len(cache) != len(self.model.blocks) or cache.positions.shape != ids.shape[:1]:
+            raise ValueError(f"past_key_values: a cache of {len(cache)} layers and {cache.positions.shape[0]} rows "
+                             f"does not fit this model ({len(self.model.blocks)} layers) and batch ({ids.shape[0]})")
+        out = []
+        for t in range(ids.shape[1]):
+            pos = cache.positions
+            # one position for every row: an int, as PerformerLM.generate passes it (the same tables)
+            same = pos.numel() > 0 and bool((pos == pos[0]).all())
+            logits, states = self.model.step(ids[:, t], cache.states, int(pos[0]) if same else pos)
+            if mask is not None and not bool(mask[:, t].all()):
+                states = [_keep_where(mask[:, t], new, old) for new, old in zip(states, cache.states)]
+                pos = pos + mask[:, t].long()
+            else:
+                pos = pos + 1
+            cache.states, cache.positions = states, pos
+            out.append(logits)
+        return torch.stack(out, dim=1)
+
+    @staticmethod
+    def _next_byte_loss(logits, labels, num_items_in_batch=None) -> torch.Tensor:
+        """Next-byte cross-entropy: logits at t predict labels at t + 1 (float32, as the trainer)."""
+        if labels.shape != logits.shape[:2]:
+            raise ValueError(f"labels must have input_ids' shape {list(logits.shape[:2])}, got {list(labels.shape)}")
+        pred, target = logits[:, :-1].float().flatten(0, 1), labels[:, 1:].to(logits.device).flatten()
+        if num_items_in_batch is None:
+            return F.cross_entropy(pred, target, ignore_index=-100)
+        return F.cross_entropy(pred, target, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, use_cache=True, **kwargs):
+        """After the prompt, only the newest token goes in: the cache holds the rest."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            input_ids = input_ids[:, -1:]
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
