@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ENV, ROOT, SHIM, latest_step, run_main, wait_for
+from helpers import ENV, ROOT, latest_step, run_main, wait_for
 from linear_rope.enwik8 import checkpoint, sample
 from linear_rope.enwik8.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from linear_rope.enwik8.cli import build_parser, parse_runs
@@ -54,7 +54,8 @@ def flip_a_byte_of(path, tensor: torch.Tensor) -> None:
 def test_a_second_run_exits_2_naming_the_holder_and_a_stale_lock_is_taken_over(tmp_path, corpus):
     out = tmp_path / "runs"
     run_dir, lock = out / "rope-seed0", out / ".rope-seed0.lock"
-    holder = subprocess.Popen(SHIM + argv(corpus, tmp_path, out, 1000, "--checkpoint-every", "1"), cwd=ROOT,
+    holder = subprocess.Popen([sys.executable, "-m", "linear_rope.train",
+                               *argv(corpus, tmp_path, out, 1000, "--checkpoint-every", "1")], cwd=ROOT,
                               env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True)
     try:
