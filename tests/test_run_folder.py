@@ -287,3 +287,24 @@ def test_a_full_disk_is_one_line_and_loses_no_checkpoint(tmp_path, corpus, monke
     assert [s for s, _ in list_checkpoints(run_dir)] == [1, 2] and not list(run_dir.glob(".*tmp"))
     assert load_checkpoint(latest_checkpoint(run_dir))["step"] == 2
     assert not (out / ".rope-seed0.lock").exists()
+
+
+def test_out_of_memory_is_one_line_and_loses_no_checkpoint(tmp_path, corpus, monkeypatch):
+    """What --batch-size 1000000000 did below the cap: numpy's MemoryError as a traceback."""
+    from linear_rope.enwik8 import data
+
+    crops, calls = data.crops, {"n": 0}
+
+    def crops_then_no_memory(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("Unable to allocate 246. GiB for an array with shape (1000000000, 33)")
+        return crops(*args, **kwargs)
+
+    monkeypatch.setattr(data, "crops", crops_then_no_memory)
+    out = tmp_path / "runs"
+    code, _, err = run_main(argv(corpus, tmp_path, out, 5, "--checkpoint-every", "1"))
+    assert code == 2
+    line = one_error_line(err.strip().splitlines()[-1])
+    assert "out of memory (Unable to allocate 246. GiB" in line and "lower --batch-size" in line
+    assert [s for s, _ in list_checkpoints(out / "rope-seed0")] == [1, 2]
