@@ -1,7 +1,10 @@
 """PerformerLM: a byte-level language model of Pre-LN RotaryLinearAttention blocks."""
 from __future__ import annotations
 
+import functools
 import math
+import numbers
+import typing
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -20,6 +23,7 @@ __all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
 # The ablation's variants: where position information enters the model. ``softmax`` is the
 # anchor: exact causal softmax attention with RoPE on q and k (``SoftmaxAttention``).
 LM_POSITIONS = ("rope", "rope_pre", "rope_norm", "absolute", "none", "softmax")
+ID_DTYPES = (torch.long, torch.int32, torch.uint8)  # token ids (a bool tensor is not one)
 
 
 @dataclass
@@ -40,6 +44,9 @@ class ModelConfig:
     qk_norm: bool = False  # q and k at unit norm times a learned per-head scale (see qk_norm.py)
 
     def __post_init__(self):
+        check_field_types(self)
+        if not self.rope_base > 0:  # finite already (check_field_types): nan and 0 stop here
+            raise ValueError(f"rope_base must be a positive number, got {self.rope_base}")
         if self.position not in LM_POSITIONS:
             raise ValueError(f"position must be one of {LM_POSITIONS}, got {self.position!r}")
         if self.feature_map not in FEATURE_KINDS:
@@ -59,6 +66,36 @@ class ModelConfig:
         if self.position in ("rope_pre", "softmax") and self.dim_head % 2:
             raise ValueError(f"dim_head: {self.position} rotates q and k, so it must be even, "
                              f"got {self.dim_head}")
+
+
+@functools.cache
+def _field_kinds(cls) -> dict[str, tuple[type, bool]]:
+    """``{field: (int | float | bool | str, None allowed)}`` from a config dataclass's hints."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        kinds[name] = ((args or [hint])[0], bool(args))
+    return kinds
+
+
+def check_field_types(cfg) -> None:
+    """TypeError unless every field of the config dataclass ``cfg`` has its declared type (a
+    bool is not a number, an int is a float); ValueError for a float field that is NaN or inf."""
+    for name, (kind, optional) in _field_kinds(type(cfg)).items():
+        v = getattr(cfg, name)
+        if v is None and optional:
+            continue
+        if kind is float:
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        elif kind is int:
+            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, kind)
+        if not ok:
+            raise TypeError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__}"
+                            f"{' or None' if optional else ''}, got {v!r}")
+        if kind is float and not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v}")
 
 
 MODEL_PRESETS: dict[str, dict] = {
@@ -186,6 +223,7 @@ class PerformerLM(nn.Module):
         if torch.compiler.is_compiling():
             torch._assert_async(((ids >= 0) & (ids < V)).all(), f"{name}: token ids must be in [0, vocab_size={V})")
             return
+        ids = ids.long()  # uint8 would wrap: ids >= 256 is ids >= 0 there
         out = (ids < 0) | (ids >= V)
         if bool(out.any()):
             bad = ids[out]
@@ -214,7 +252,7 @@ class PerformerLM(nn.Module):
         With ``output_final_state`` also the per-layer recurrent states after the last token
         (for ``step``; with a mask, the next position of row b is ``mask[b].sum()``).
         """
-        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.long, torch.int32, torch.uint8):
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in ID_DTYPES:
             raise ValueError(f"ids must be an integer tensor [B, N] with N >= 1, got {ids.dtype} {tuple(ids.shape)}")
         self._check_ids(ids, "ids")
         if mask is not None:
@@ -231,7 +269,7 @@ class PerformerLM(nn.Module):
         """One token `[B]` at ``position`` (an int, or a LongTensor `[B]` per row) -> (logits
         `[B, vocab]`, new states); O(1) in the context. ``states`` holds one state per layer
         (as ``forward(..., output_final_state=True)`` returns them)."""
-        if not isinstance(token, torch.Tensor) or token.dim() != 1 or token.is_floating_point():
+        if not isinstance(token, torch.Tensor) or token.dim() != 1 or token.dtype not in ID_DTYPES:
             raise ValueError(f"token must be an integer tensor [B], got {getattr(token, 'dtype', type(token).__name__)} "
                              f"{list(getattr(token, 'shape', []))}")
         listed = isinstance(states, (list, tuple)) and not isinstance(states, LinearAttentionState)
@@ -273,16 +311,33 @@ class PerformerLM(nn.Module):
         if not isinstance(prompts, (list, tuple)) or not prompts or not all(
                 isinstance(p, (bytes, bytearray)) and len(p) > 0 for p in prompts):
             raise ValueError("prompt must be non-empty bytes, or a non-empty list of non-empty bytes")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         check_temperature(temperature)
+        device = self.head.weight.device
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None (seed one with "
+                            f"torch.Generator().manual_seed(seed)), got {type(generator).__name__}")
+        if generator is not None and generator.device.type != device.type:
+            raise ValueError(f"generator: it is on {generator.device}, the model on {device}; "
+                             f"create it with torch.Generator(device={str(device)!r})")
         longest = max(len(p) for p in prompts)
         if self.pos_emb is not None and longest + max_new_tokens > self.cfg.seq_len + 1:
             raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.cfg.seq_len}")
         was_training = self.training
         self.eval()
+        try:
+            out = self._decode(prompts, longest, max_new_tokens, temperature, top_k, generator)
+        finally:  # an error on the way (a bad id, an interrupt) leaves the mode as it was
+            self.train(was_training)
+        new = torch.stack(out, dim=1).tolist() if out else [[] for _ in prompts]
+        res = [bytes(row) for row in new]
+        return res[0] if isinstance(prompt, (bytes, bytearray)) else res
+
+    def _decode(self, prompts, longest: int, max_new_tokens: int, temperature, top_k, generator) -> list:
+        """``generate``'s loop: one parallel read of the left-padded prompts, then recurrent steps."""
         device = self.head.weight.device
         ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
         mask = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
@@ -300,10 +355,7 @@ class PerformerLM(nn.Module):
             if i + 1 < max_new_tokens:
                 logits, states = self.step(nxt, states, position + i)
                 logits = logits.float()
-        self.train(was_training)
-        new = torch.stack(out, dim=1).tolist() if out else [[] for _ in prompts]
-        res = [bytes(row) for row in new]
-        return res[0] if isinstance(prompt, (bytes, bytearray)) else res
+        return out
 
 
 def check_temperature(temperature) -> None:
@@ -316,8 +368,12 @@ def check_temperature(temperature) -> None:
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
     """logits `[B, V]` -> token ids `[B]`."""
     check_temperature(temperature)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_k == 1 or temperature == 0:
         return logits.argmax(-1)
+    if float(torch.tensor(temperature, dtype=logits.dtype)) == 0:  # 1e-300 is 0 in float32: x / 0
+        logits = logits.double()  # float64 holds it (finite and > 0: check_temperature)
     # Shift the max to 0 first: a tiny temperature then sends the others to -inf, never inf - inf.
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:

@@ -153,6 +153,15 @@ EARLY = [  # (argv, text in the one error line)
     (["--device", "tpu"], "unknown --device 'tpu'"),
     (["--precision", "fp8"], "precision must be one of"),
     (["--dim", "None"], "invalid int value: 'None'"),  # None only where a field is optional
+    (["--rope-base", "nan"], "rope_base must be a finite number, got nan"),
+    (["--rope-base", "0"], "rope_base must be a positive number"),  # refused at the first step before
+    (["--lr", "inf"], "lr must be a finite number, got inf"),
+    (["--grad-clip", "nan"], "grad_clip must be a finite number"),
+    (["--weight-decay", "nan"], "weight_decay must be a finite number"),
+    (["--vocab-size", "10"], "vocab_size 10: the corpus is bytes"),
+    (["--batch-size", "1000000000"], "batch_size 1000000000 x seq_len 32"),
+    (["--eval-batch-size", "1000000000"], "eval_batch_size 1000000000 x seq_len 32"),
+    (["--seeds", str(2**64)], "seed must be in [0, 4294967295]"),
 ]
 if not torch.cuda.is_available():
     EARLY.append((["--device", "cuda"], "CUDA is not available"))
@@ -199,6 +208,20 @@ def test_values_reach_the_configs(argv, field, want):
     _, runs = parse_runs(build_parser(), argv + ["--preset", "tiny"])
     for _, mc, tc in runs:
         assert getattr(mc if hasattr(mc, field) else tc, field) == want
+
+
+def _float_fields() -> list[str]:
+    import typing
+
+    return [f.name for cls in (ModelConfig, TrainConfig) for f in fields(cls)
+            if float in (typing.get_type_hints(cls)[f.name], *typing.get_args(typing.get_type_hints(cls)[f.name]))]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("field", _float_fields())
+def test_every_float_flag_refuses_a_non_finite_value(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number, got {value}$"):
+        parse_runs(build_parser(), ["--preset", "tiny", "--" + field.replace("_", "-"), value])
 
 
 def test_flags_not_given_keep_the_preset():

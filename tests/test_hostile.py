@@ -77,6 +77,11 @@ CASES = {  # name: (data file, extra argv, text in the error line)
     "out dir holds the same experiment": ("corpus.txt", [], "pass --resume to continue it"),
     "out is a file": ("corpus.txt", ["--out", "{root}/corpus.txt"], "is a file"),
     "resume and overwrite": ("corpus.txt", ["--resume", "--overwrite"], "contradict"),
+    "out under a file": ("corpus.txt", ["--out", "{root}/corpus.txt/runs"], "cannot create --out"),
+    "out in /proc": ("corpus.txt", ["--out", "/proc/linear-rope-runs"], "cannot create --out /proc/linear-rope-runs"),
+    "data dir under a file": ("corpus.txt", ["--data-dir", "{root}/corpus.txt/data", *NEW],
+                              "Not a directory: "),
+    "data dir in /proc": ("corpus.txt", ["--data-dir", "/proc/linear-rope-data", *NEW], "/proc/linear-rope-data"),
 }
 
 

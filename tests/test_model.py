@@ -166,6 +166,77 @@ def test_a_tiny_temperature_is_greedy():
     assert model.generate(b"ab", 8, temperature=1e-45) == model.generate(b"ab", 8, top_k=1)
 
 
+def test_a_temperature_below_float32_is_greedy_too():
+    """1e-300 is 0 in float32, where (logits - max) / t made 0 / 0 = nan and multinomial failed."""
+    model = tiny("rope").eval()
+    assert model.generate(b"ab", 8, temperature=1e-300) == model.generate(b"ab", 8, top_k=1)
+
+
+def test_generate_leaves_the_model_in_the_mode_it_found_even_on_an_error(monkeypatch):
+    model = tiny("rope", dropout=0.1).train()
+    assert len(model.generate(b"ab", 3)) == 3 and model.training
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(b"ab", 3)
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(b"ab", 3)
+    assert not model.training
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=True), "top_k must be a positive int or None, got True"),
+    (dict(top_k=False), "top_k must be a positive int or None, got False"),
+    (dict(max_new_tokens=True), "max_new_tokens must be a non-negative int, got True"),
+    (dict(temperature=True), "temperature must be a finite number"),
+    (dict(top_k=2.0), "top_k must be a positive int"),
+], ids=lambda v: str(v) if isinstance(v, dict) else None)
+def test_generate_refuses_bools_as_numbers(kwargs, match):
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        tiny("rope").generate(b"ab", **kwargs)
+
+
+def test_generate_refuses_a_generator_that_is_not_one():
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None"):
+        tiny("rope").generate(b"ab", 3, generator=0)
+
+
+def test_step_refuses_a_bool_token():
+    model = tiny("rope")
+    _, states = model(torch.tensor([[1, 2, 3]]), output_final_state=True)
+    with pytest.raises(ValueError, match="token must be an integer tensor"):
+        model.step(torch.tensor([True]), states, 3)
+
+
+def test_uint8_ids_are_compared_without_wrapping():
+    """In uint8, ``ids >= 256`` wraps to ``ids >= 0``: every valid id was reported out of range."""
+    model = tiny("rope").eval()
+    ids = torch.tensor([[255, 3, 0]])
+    torch.testing.assert_close(model(ids.to(torch.uint8)), model(ids), rtol=0, atol=0)
+    small = tiny("rope", vocab_size=10)
+    with pytest.raises(ValueError, match=r"ids: 1 id\(s\) outside \[0, vocab_size=10\): 255$"):
+        small(ids.to(torch.uint8))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(rope_base=float("nan")), ValueError, "rope_base must be a finite number"),
+    (dict(rope_base=0.0), ValueError, "rope_base must be a positive number"),
+    (dict(dropout=float("nan")), ValueError, "dropout must be a finite number"),
+    (dict(depth=True), TypeError, "depth must be an int, got True"),
+    (dict(depth=1e6), TypeError, "depth must be an int, got 1000000.0"),
+    (dict(qk_norm=1), TypeError, "qk_norm must be a bool, got 1"),
+], ids=lambda v: str(v) if isinstance(v, dict) else None)
+def test_model_config_refuses_non_finite_and_mistyped_values(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ModelConfig(**kwargs)
+
+
 @pytest.mark.parametrize("position", LM_POSITIONS)
 def test_empty_batch_gives_empty_logits_and_gradients(position):
     model = tiny(position).double()

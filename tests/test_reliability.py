@@ -261,7 +261,7 @@ def test_resume_from_a_version_0_1_checkpoint(tmp_path, corpus):
     ckpt["rng"]["data"] = [ckpt["rng"]["data"]]
     for k in ("grad_accum", "checkpoint_every", "keep_checkpoints", "deterministic"):
         del ckpt["config"]["train"][k]
-    del ckpt["world"], ckpt["param_sha256"]
+    del ckpt["world"], ckpt["param_sha256"], ckpt["content_sha256"], ckpt["config"]["corpus"]
     torch.save(ckpt, run_dir / "checkpoint.pt")
     path.unlink()
     code, _, err = run_main(common(corpus, tmp_path, 6, "--out", str(tmp_path / "runs"), "--resume"))

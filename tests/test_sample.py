@@ -93,3 +93,65 @@ def test_an_empty_folder_says_no_checkpoint(tmp_path, capsys):
         sample.main([str(tmp_path), "--prompt", "x"])
     assert exc.value.code == 2
     assert f"no checkpoint in {tmp_path}" in capsys.readouterr().err
+
+
+def _fails(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        sample.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--device", "meta"], "unknown --device 'meta'"),
+    (["--device", "bogus"], "unknown --device 'bogus'"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**64 - 1]"),
+    (["--seed", "-1"], "--seed must be in [0, 2**64 - 1]"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "CUDA is not available")]),
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_device_or_seed_is_one_line(tmp_path, capsys, argv, text):
+    path = tmp_path / "m.pt"
+    save_model(path, forced_byte_model(65))
+    assert text in _fails(capsys, [str(path), "--prompt", "x", *argv])
+
+
+def test_a_checkpoint_with_nan_weights_is_refused(tmp_path, capsys):
+    model = forced_byte_model(65)
+    with torch.no_grad():
+        model.blocks[1].ff[0].weight[0, 0] = float("nan")
+    save_model(tmp_path / "ckpt-00000001.pt", forced_byte_model(65))
+    save_model(tmp_path / "ckpt-00000002.pt", model)
+    line = _fails(capsys, [str(tmp_path), "--prompt", "x"])
+    assert "non-finite weights (blocks.1.ff.0.weight)" in line
+    assert f"the previous checkpoint is {tmp_path / 'ckpt-00000001.pt'}" in line
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("depth", 10**6, "depth 1000000, but the weights hold 2 blocks"),
+    ("heads", 10**6, "blocks.0.attn.to_qkv.weight should be [24000000, 32], is [48, 32]"),
+    ("dim", 10**6, "tok_emb.weight should be [256, 1000000], is [256, 32]"),
+    ("nb_features", 10**9, "nb_features 1000000000 needs more numbers than the whole checkpoint holds"),
+])
+def test_a_config_that_does_not_describe_the_weights_is_refused_before_building(tmp_path, capsys, field, value,
+                                                                                 text):
+    """An edited config (depth 1e6) built a million blocks before load_state_dict could object."""
+    model = forced_byte_model(65)
+    path = tmp_path / "m.pt"
+    cfg = {**asdict(model.cfg), field: value}
+    torch.save({"model": model.state_dict(), "step": 0, "config": {"model": cfg, "train": {}}}, path)
+    line = _fails(capsys, [str(path), "--prompt", "x"])
+    assert "its config does not describe its weights" in line and text in line
+
+
+def test_a_temperature_below_float32_samples_greedily(tmp_path, capsys):
+    torch.manual_seed(1)
+    path = tmp_path / "m.pt"
+    save_model(path, PerformerLM(ModelConfig(**MODEL_PRESETS["tiny"])))
+    outs = []
+    for extra in (["--temperature", "1e-300"], ["--top-k", "1"]):
+        assert sample.main([str(path), "--prompt", "ab", "--max-new-tokens", "12", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]

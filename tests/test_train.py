@@ -104,7 +104,10 @@ def test_checkpoint_loads_weights_only_and_samples(ablation, capsys):
     assert ckpt["rng"]["data"].dtype == torch.uint8
     assert ckpt["config"]["model"] == asdict(ModelConfig(**MODEL_PRESETS["tiny"]))
     assert ckpt["config"]["train"]["lr"] == config.TRAIN_PRESETS["tiny"]["lr"]
-    assert json.loads((out / "rope-seed0" / "config.json").read_text()) == ckpt["config"]
+    saved = json.loads((out / "rope-seed0" / "config.json").read_text())
+    assert {k: v for k, v in saved.items() if k != "history"} == ckpt["config"]
+    assert [(h["from_step"], h["train"], h["corpus"]) for h in saved["history"]] == \
+        [(0, ckpt["config"]["train"], ckpt["config"]["corpus"])]
     assert not list(path.parent.glob("*.tmp"))
 
     assert sample.main([str(path.parent), "--prompt", "The ", "--max-new-tokens", "16", "--top-k", "5"]) == 0

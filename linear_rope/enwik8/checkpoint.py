@@ -7,11 +7,21 @@ rename) leaves either the previous set of checkpoints or the new one, never a pa
 a checkpoint name. Older checkpoints are deleted only after the new one is in place. A checkpoint is a plain dict of
 tensors, numbers, strings, lists and dicts, and is only ever read with
 ``torch.load(weights_only=True)``: a file that would need to run code to unpickle is refused.
+
+Checkpoints are verified on load. ``save_checkpoint`` stores ``content_sha256``, a digest of
+everything else in the file (weights, buffers, optimizer moments, RNG states, config, metrics),
+and ``load_checkpoint`` refuses a file whose content no longer matches it. The trainer also
+stores ``param_sha256`` (``runtime.param_digest`` of the weights); :func:`verify_params` checks
+it once a model has loaded the weights, which covers the checkpoints written before
+``content_sha256`` existed. :func:`last_good_checkpoint` is the newest checkpoint that loads and
+whose weights and val BPC are finite, the one a stopped run names.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import pickle
 import re
 from pathlib import Path
@@ -20,21 +30,21 @@ import torch
 
 from .config import resume_diffs
 from .files import TMP_SUFFIX, atomic_write
+from .runtime import param_digest
+from .rundir import RunDirError, run_files
 
 __all__ = ["CheckpointError", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
-           "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "check_out_dir"]
+           "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "check_out_dir",
+           "content_digest", "verify_params", "previous_checkpoint", "last_good_checkpoint", "nonfinite"]
 
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 LEGACY = "checkpoint.pt"  # the single checkpoint of linear_rope <= 0.1
 REQUIRED = ("model", "step", "config")
+DIGEST = "content_sha256"  # the key save_checkpoint adds: sha256 of everything else in the file
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot or must not be loaded (the CLIs print it and exit 2)."""
-
-
-class RunDirError(ValueError):
-    """An --out that holds an earlier or different run (the CLI prints it and exits 2)."""
 
 
 def checkpoint_path(run_dir, step: int) -> Path:
@@ -63,6 +73,8 @@ def save_checkpoint(run_dir, step: int, payload: dict, keep: int) -> Path:
         raise ValueError(f"keep must be >= 1, got {keep}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    payload = {**{k: v for k, v in payload.items() if k != DIGEST}}
+    payload[DIGEST] = content_digest(payload)
     final = atomic_write(checkpoint_path(run_dir, step), lambda f: torch.save(payload, f))
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
@@ -91,7 +103,83 @@ def load_checkpoint(path) -> dict:
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED):
         raise CheckpointError(f"{path} is not a linear_rope checkpoint "
                               f"(needs the keys {', '.join(REQUIRED)})")
+    if DIGEST in ckpt and content_digest(ckpt) != ckpt[DIGEST]:
+        raise CheckpointError(f"{path} is corrupt: its content does not match the {DIGEST} stored in it "
+                              f"(a changed byte in its weights, optimizer or RNG states)")
     return ckpt
+
+
+def _feed(h, x) -> None:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(x.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    elif isinstance(x, dict):
+        h.update(f"D{len(x)}".encode())
+        for k, v in x.items():
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{type(x).__name__}{len(x)}".encode())
+        for v in x:
+            _feed(h, v)
+    else:  # int, float (repr round-trips), str, bool, None
+        h.update(f"{type(x).__name__}:{x!r};".encode())
+
+
+def content_digest(ckpt: dict) -> str:
+    """sha256 over every tensor's dtype, shape and bytes and every other value of a checkpoint,
+    in order, leaving out the digest itself."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in ckpt.items() if k != DIGEST})
+    return h.hexdigest()
+
+
+def verify_params(ckpt: dict, model: torch.nn.Module, path) -> None:
+    """CheckpointError unless the weights ``ckpt["model"]`` holds for ``model``'s parameters have
+    the digest the checkpoint stores (``param_sha256``; checkpoints of linear_rope 0.1 have none).
+    Checked before ``model`` loads them."""
+    stored = ckpt.get("param_sha256")
+    if not stored:
+        return
+    want = stored[0] if isinstance(stored, (list, tuple)) else stored
+    try:
+        got = param_digest(model, ckpt["model"])
+    except (KeyError, TypeError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"{path} does not hold the weights of this model ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:120]})") from None
+    if got != want:
+        raise CheckpointError(f"{path} is corrupt: its weights do not match the param_sha256 stored in it")
+
+
+def previous_checkpoint(path) -> Path | None:
+    """The checkpoint before ``path`` in its run folder, if any."""
+    path = Path(path)
+    older = [p for _, p in list_checkpoints(path.parent) if p.name < path.name and p != path]
+    return older[-1] if older else None
+
+
+def nonfinite(ckpt: dict) -> str | None:
+    """What is non-finite in a checkpoint (its weights, or its val BPC), or None."""
+    bad = [k for k, t in ckpt["model"].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        return f"non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+    val = (ckpt.get("metrics") or {}).get("val_bpc")
+    if isinstance(val, (int, float)) and not math.isfinite(val):
+        return f"val bpc {val}"
+    return None
+
+
+def last_good_checkpoint(run_dir) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that loads, verifies, and holds finite weights and a
+    finite (or not yet measured) val BPC."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            if nonfinite(load_checkpoint(path)) is None:
+                return path
+        except (CheckpointError, AttributeError, TypeError):
+            continue
+    return None
 
 
 def resolve_checkpoint(path) -> Path:
@@ -112,9 +200,10 @@ def resolve_checkpoint(path) -> Path:
 
 
 def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
-    """Refuse to write over an earlier run; return the run dirs ``--overwrite`` will clear.
+    """Refuse to write over an earlier run; return the run dirs ``--overwrite`` will clear (of
+    the files a run writes only: ``rundir.clear_run_dir``).
 
-    ``runs``: ``[(name, ModelConfig, TrainConfig)]``. An existing non-empty run dir needs
+    ``runs``: ``[(name, ModelConfig, TrainConfig)]``. An existing run dir with run files needs
     ``--overwrite``, or ``--resume`` with a config its ``config.json`` allows (``resume_diffs``,
     checked again against the checkpoint itself when it loads).
     """
@@ -124,8 +213,11 @@ def check_out_dir(runs, resume: bool, overwrite: bool) -> list[Path]:
     clear = []
     for name, mc, tc in runs:
         run_dir = out / name
-        if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        if not run_files(run_dir):  # missing, empty, or only what the user put there
             continue
+        if overwrite and run_dir.is_symlink():
+            raise RunDirError(f"--overwrite: {run_dir} is a symbolic link (to {run_dir.resolve()}); "
+                              f"it is not cleared through a link: remove the link or choose another --out")
         if overwrite:
             clear.append(run_dir)
             continue

@@ -17,7 +17,7 @@ from dataclasses import fields
 import torch
 
 from ..model import LM_POSITIONS, MODEL_PRESETS, ModelConfig
-from .config import MAX_SEQ_LEN, TRAIN_PRESETS, TrainConfig, check_model
+from .config import MAX_SEQ_LEN, TRAIN_PRESETS, TrainConfig, check_model, check_run
 
 DESCRIPTION = ("Train the Enwik8 ablation: PerformerLM variants x seeds, with TensorBoard, "
                "checkpoints and DDP.")
@@ -145,8 +145,8 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
     for v in variants:
         if v not in LM_POSITIONS:
             raise ValueError(f"unknown variant {v!r}; choose from {', '.join(LM_POSITIONS)}")
-    try:
-        seeds = [int(s) for s in _csv(args.seeds, "seeds")]
+    try:  # deduplicated as numbers: "1,01" is one run, not the same run twice
+        seeds = list(dict.fromkeys(int(s) for s in _csv(args.seeds, "seeds")))
     except ValueError:
         raise ValueError(f"--seeds must be a comma list of integers, got {args.seeds!r}") from None
     given = vars(args)  # only the flags on the command line (the others are SUPPRESSed)
@@ -163,13 +163,15 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
     runs = [(f"{v}-seed{s}", ModelConfig(**{**model_kw, "position": v}),
              TrainConfig(**{**train_kw, "seed": s})) for v in variants for s in seeds]
     check_device(runs[0][2].device)
+    check_run(runs[0][1], runs[0][2])
     for v in variants:  # the library's own checks (feature map vs nb_features, ...), once a variant
         check_model(next(mc for _, mc, _ in runs if mc.position == v))
     return runs
 
 
 def parse_runs(parser: argparse.ArgumentParser, argv: list[str]):
-    """``(args, runs)`` from a command line; ValueError (one line) for a bad value. argparse's own
-    errors (unknown flag, bad int) exit 2 through :class:`OneLineParser`."""
+    """``(args, runs)`` from a command line; ValueError (one line) for a bad value (a wrong type,
+    impossible from the command line, is a TypeError). argparse's own errors (unknown flag, bad
+    int) exit 2 through :class:`OneLineParser`."""
     args = parser.parse_args(_join_negative_values(parser, argv))
     return args, configs_from_args(args)

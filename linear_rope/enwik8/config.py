@@ -5,13 +5,20 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ..model import MODEL_PRESETS, ModelConfig, PerformerLM
+from ..model import MODEL_PRESETS, ModelConfig, PerformerLM, check_field_types
 
 __all__ = ["ConfigError", "TrainConfig", "TRAIN_PRESETS", "RESUMABLE", "MAX_SEQ_LEN", "lr_at",
-           "check_model", "resume_diffs", "PRECISIONS"]
+           "check_model", "check_run", "resume_diffs", "PRECISIONS", "MAX_SEED", "MAX_BATCH_TOKENS"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
 NONFINITE = ("stop", "skip")
+# Seeds are 32-bit, as numpy's: the run's generators are seeded with seed * 1000 (+ an offset per
+# rank) and seed + 1_000_003, which must stay inside torch's 64-bit seed range.
+MAX_SEED = 2**32 - 1
+# A sanity cap on the tokens of one (micro-)batch, batch_size x seq_len (and eval_batch_size x
+# seq_len): a typo such as --batch-size 1000000000 fails at once instead of asking for terabytes
+# once the data is loaded. 2**24 tokens is 512k sequences of the tiny preset, 16k of paper's.
+MAX_BATCH_TOKENS = 2**24
 
 
 class ConfigError(ValueError):
@@ -46,6 +53,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm stops the run, or skips that update (20 in a row stop it)
 
     def __post_init__(self):
+        check_field_types(self)  # a bool is not a number; every float is finite
         for f in ("steps", "batch_size", "grad_accum", "eval_batch_size", "log_every",
                   "keep_checkpoints"):
             if getattr(self, f) < 1:
@@ -56,6 +64,8 @@ class TrainConfig:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}] (32 bits), got {self.seed}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.on_nonfinite not in NONFINITE:
@@ -121,6 +131,18 @@ def check_model(mc: ModelConfig) -> None:
         PerformerLM(replace(mc, depth=1))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{mc.position}: {e}") from None
+
+
+def check_run(mc: ModelConfig, tc: TrainConfig) -> None:
+    """ValueError for a model and training config the byte-level app cannot train together."""
+    if mc.vocab_size < 256:
+        raise ValueError(f"vocab_size {mc.vocab_size}: the corpus is bytes (ids 0-255), so it must be "
+                         f">= 256")
+    for flag, b in (("batch_size", tc.batch_size), ("eval_batch_size", tc.eval_batch_size)):
+        if b * mc.seq_len > MAX_BATCH_TOKENS:
+            raise ValueError(f"{flag} {b} x seq_len {mc.seq_len} = {b * mc.seq_len:,} tokens per batch is "
+                             f"above the sanity cap of {MAX_BATCH_TOKENS:,}; use --grad-accum for a larger "
+                             f"global batch")
 
 
 def resume_diffs(old: dict, mc: ModelConfig, tc: TrainConfig) -> list[str]:

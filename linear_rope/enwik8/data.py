@@ -41,7 +41,7 @@ __all__ = [
     "read_corpus", "download", "verify_bytes", "split_sizes", "split_bytes",
     "prepare_enwik8", "prepare_corpus", "load_split", "draw_starts", "crops", "get_batch",
     "eval_batches",
-    "count_eval_bytes",
+    "count_eval_bytes", "corpus_digest",
 ]
 
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
@@ -354,6 +354,18 @@ def eval_batches(data, seq_len: int,
     if start < n_pred:
         chunk = torch.from_numpy(data[start:].astype(np.int64))
         yield chunk[:-1].view(1, -1), chunk[1:].view(1, -1)
+
+
+def corpus_digest(splits: dict) -> dict:
+    """``{"sha256", "bytes"}`` of the corpus the splits were cut from: the sha256 of train, valid
+    and test in order, which is the sha256 of the corpus's bytes (``prepare_corpus``'s cache
+    folder is named by its first 10 hex digits). A resume compares it, not the --data path."""
+    h, n = hashlib.sha256(), 0
+    for name in SPLITS:
+        part = np.ascontiguousarray(_as_array(splits[name]))
+        h.update(part)
+        n += len(part)
+    return {"sha256": h.hexdigest(), "bytes": n}
 
 
 def count_eval_bytes(data) -> int:

@@ -190,12 +190,15 @@ class Progress:
             self.bar.close()
 
 
-def param_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's bytes, in order: equal digests mean bitwise-equal models."""
+def param_digest(model: torch.nn.Module, state: dict | None = None) -> str:
+    """SHA-256 over every parameter's bytes, in order: equal digests mean bitwise-equal models.
+    With ``state`` (a state dict), of the tensors it holds under the parameters' names: the
+    digest ``model`` would have once it loads them (KeyError for a missing one)."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
+        t = p if state is None else state[name]
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -20,25 +20,59 @@ from pathlib import Path
 import torch
 
 from ..model import ModelConfig, PerformerLM
-from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
-from .cli import OneLineParser
+from .checkpoint import (CheckpointError, load_checkpoint, nonfinite, previous_checkpoint, resolve_checkpoint,
+                         verify_params)
+from .cli import OneLineParser, check_device
+from .rundir import os_error_line
 
 __all__ = ["load_model", "main"]
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
+
+def _check_shapes(cfg: ModelConfig, sd: dict, path) -> None:
+    """The config must describe the weights stored beside it, checked on the shapes that size
+    the model before it is built: a config edited to depth 1e6 would otherwise build for hours."""
+    blocks = {k.split(".")[1] for k in sd if k.startswith("blocks.")}
+    want = {"tok_emb.weight": (cfg.vocab_size, cfg.dim),
+            "blocks.0.attn.to_qkv.weight": (3 * cfg.heads * cfg.dim_head, cfg.dim),
+            "blocks.0.ff.0.weight": (cfg.ff_mult * cfg.dim, cfg.dim)}
+    bad = [f"depth {cfg.depth}, but the weights hold {len(blocks)} blocks"] if len(blocks) != cfg.depth else []
+    bad += [f"{k} should be {list(shape)}, is {list(sd[k].shape) if k in sd else 'missing'}"
+            for k, shape in want.items() if k not in sd or tuple(sd[k].shape) != shape]
+    held = sum(t.numel() for t in sd.values())
+    if cfg.nb_features is not None and cfg.nb_features * cfg.dim_head > held:
+        bad.append(f"nb_features {cfg.nb_features} needs more numbers than the whole checkpoint holds")
+    if bad:
+        raise CheckpointError(f"{path}: its config does not describe its weights ({'; '.join(bad[:3])})")
 
 
 def load_model(path, device: str = "cpu") -> PerformerLM:
     """Rebuild ``PerformerLM(ModelConfig(**cfg["model"]))`` from a checkpoint file or run dir.
 
-    Raises :class:`CheckpointError` (one line) for a missing, corrupt, unsafe or foreign file.
+    Raises :class:`CheckpointError` (one line) for a missing, corrupt, unsafe or foreign file, a
+    config that does not match the weights, weights that fail their stored digest, or non-finite
+    weights; the message names the previous checkpoint of the run where there is one.
     """
     path = resolve_checkpoint(path)
-    ckpt = load_checkpoint(path)
     try:
-        model = PerformerLM(ModelConfig(**ckpt["config"]["model"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{path} does not match linear_rope's model "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+        ckpt = load_checkpoint(path)
+        sd = ckpt["model"]
+        try:
+            cfg = ModelConfig(**ckpt["config"]["model"])
+            _check_shapes(cfg, sd, path)
+            model = PerformerLM(cfg)
+            verify_params(ckpt, model, path)
+            model.load_state_dict(sd)
+        except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as e:
+            raise CheckpointError(f"{path} does not match linear_rope's model "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+        bad = nonfinite({"model": sd})
+        if bad:
+            raise CheckpointError(f"{path} holds {bad}: nothing can be sampled from it")
+    except CheckpointError as e:
+        older = previous_checkpoint(path)
+        raise CheckpointError(f"{e}; the previous checkpoint is {older}" if older else str(e)) from None
     return model.to(device).eval()
 
 
@@ -53,8 +87,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate (default 200)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest bytes only")
-    p.add_argument("--seed", type=int, default=0, help="sampling generator seed (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="sampling generator seed, 0 to 2**64 - 1 (default 0)")
+    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N (default cpu)")
     return p
 
 
@@ -75,11 +109,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if not prompt:
         fail("the prompt is empty: the model has no start-of-text token, so give at least one "
              "byte (e.g. --prompt $'\\n')")
+    if not 0 <= args.seed <= MAX_SEED:
+        fail(f"--seed must be in [0, 2**64 - 1], got {args.seed}")
     try:
-        model = load_model(args.checkpoint, args.device)
+        check_device(args.device)
+    except ValueError as e:
+        fail(str(e))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        model = load_model(args.checkpoint, device)
     except CheckpointError as e:
         fail(str(e))
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    except OSError as e:
+        fail(os_error_line(e))
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     try:
         new = model.generate(prompt, args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, generator=gen)

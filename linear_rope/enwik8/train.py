@@ -41,7 +41,6 @@ number of cores idle at start unless ``--threads`` or ``OMP_NUM_THREADS`` says o
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -53,6 +52,7 @@ from . import data
 from .checkpoint import check_out_dir
 from .cli import build_parser, parse_runs
 from .config import ConfigError, TrainConfig
+from .rundir import RunLocks, clear_run_dir, os_error_line
 from .runtime import Dist, StopSignals, choose_threads, init_distributed, resume_command
 from .trainer import EXIT_NONFINITE, NonFiniteError, Trainer
 
@@ -60,7 +60,14 @@ __all__ = ["main"]
 
 
 def _one_line(e: BaseException | str) -> str:
+    if isinstance(e, OSError):
+        return os_error_line(e)
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -74,16 +81,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     try:  # every check that needs no data, before anything is read or written
         args, runs = parse_runs(parser, argv)
-        clear = check_out_dir(runs, args.resume, args.overwrite)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         fail(e)
+    # One writer per run folder (rank 0 holds the lock for the whole launch), held from before the
+    # run-folder checks to the end; see rundir.py.
+    locks = RunLocks(runs[0][2].out, [name for name, _, _ in runs]) if lead else None
     threads = torch.get_num_threads()  # restored: main may run in-process (tests, notebooks)
     try:
+        try:
+            for note in (locks.acquire() if locks else []):
+                print(f"{parser.prog}: note: {note}", file=sys.stderr)
+            clear = check_out_dir(runs, args.resume, args.overwrite)
+        except (ValueError, OSError) as e:
+            fail(e)
         results, dd = _run(runs, clear, args.resume, fail)
+        if dd.lead:
+            _report(results, Path(runs[0][2].out), argv, prog, dd.world)
+    except OSError as e:  # a folder under a file, in /proc, a full disk: atomic writes lost nothing
+        fail(e)
     finally:
         torch.set_num_threads(threads)
-    if dd.lead:
-        _report(results, Path(runs[0][2].out), argv, prog, dd.world)
+        if locks:
+            locks.release()
     return 0
 
 
@@ -99,8 +118,11 @@ def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
         with StopSignals(quiet=not dd.lead) as stop:
             splits = _load_data(runs, dd)
             if dd.lead:
-                for run_dir in clear:
-                    shutil.rmtree(run_dir)
+                for run_dir in clear:  # --overwrite: only the files a run writes
+                    kept = clear_run_dir(run_dir)
+                    if kept:
+                        print(f"{run_dir.name}: --overwrite kept what a run does not write: "
+                              f"{', '.join(kept)}", file=sys.stderr)
                 write_layout(Path(tc0.out))
             if dd.world > 1:
                 dist.barrier()
@@ -116,6 +138,11 @@ def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
         fail(e)
     except NonFiniteError as e:
         fail(e, EXIT_NONFINITE)
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        fail(f"out of memory ({' '.join(str(e).split())[:120]}); lower --batch-size or --eval-batch-size "
+             f"(--grad-accum keeps the global batch); the checkpoints already written are intact")
     finally:
         if dd.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -32,9 +32,11 @@ from torch.utils.tensorboard import SummaryWriter
 from ..model import ModelConfig, PerformerLM
 from ..ops.triton.dispatch import record_paths
 from . import data
-from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, last_good_checkpoint, latest_checkpoint, load_checkpoint, nonfinite,
+                         previous_checkpoint, save_checkpoint, verify_params)
 from .config import ConfigError, TrainConfig, lr_at, resume_diffs
 from .files import atomic_write
+from .rundir import start_entry, write_config
 from .runtime import Dist, Progress, StopSignals, param_digest
 
 __all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer", "compile_unavailable",
@@ -190,7 +192,8 @@ class Trainer:
         if dd.rank:  # rank 0 keeps the seed's stream; the others draw their own dropout masks
             torch.manual_seed(tc.seed * 1000 + FEATURE_SEED_OFFSET * dd.rank)
         self.model = self.net = model.to(dd.device)
-        config = {"model": asdict(mc), "train": asdict(tc)}
+        self.corpus = data.corpus_digest(splits)  # stored at the first start; a resume must match it
+        config = {"model": asdict(mc), "train": asdict(tc), "corpus": self.corpus}
         self.state = TrainState(model, make_optimizer(model, tc), data_gen, feature_gen, config, dd)
         self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
         self.writer, self.progress = None, None
@@ -198,22 +201,32 @@ class Trainer:
         self.compiled = False  # tc.compile, where a compiler was found (``_open``)
 
     def resume(self) -> bool:
-        """Load the run dir's newest checkpoint, if any, after the one resume check."""
+        """Load the run dir's newest checkpoint, if any, after the resume checks: the config
+        (``resume_diffs``), the corpus (its digest), and the checkpoint's own digests."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return False
+
+        def refuse(why: str):
+            older = previous_checkpoint(path)
+            hint = f"; move it away to resume from {older.name}" if older else ""
+            raise ConfigError(f"cannot resume: {why}{hint}") from None
+
         try:
             ckpt = load_checkpoint(path)
         except CheckpointError as e:
-            older = [p for _, p in list_checkpoints(self.run_dir)[:-1]]
-            hint = f"; move it away to resume from {older[-1].name}" if older else ""
-            raise ConfigError(f"cannot resume: {e}{hint}") from None
+            refuse(str(e))
         diffs = resume_diffs(ckpt["config"], self.mc, self.tc)
         if ckpt.get("world", 1) != self.dd.world:
             diffs.append(f"ranks: checkpoint {ckpt.get('world', 1)}, now {self.dd.world} (the "
                          f"global batch and data slices depend on it)")
         if diffs:
             raise ConfigError(f"cannot resume from {path}: config differs ({'; '.join(diffs)})")
+        self._check_corpus(ckpt["config"], path)
+        try:
+            verify_params(ckpt, self.model, path)
+        except CheckpointError as e:
+            refuse(str(e))
         old = ckpt["config"]["train"]
         if (self.tc.decay_steps is None and old.get("decay_steps") is None
                 and old["steps"] != self.tc.steps and self.dd.lead):
@@ -221,6 +234,25 @@ class Trainer:
                   f"{old['steps']} (fix --decay-steps to avoid this)", file=sys.stderr)
         self.state.load_state_dict(ckpt)
         return True
+
+    def _check_corpus(self, old: dict, path) -> None:
+        """A resume trains on the corpus the run started on: the same bytes, wherever --data now
+        points. A checkpoint from before corpus digests can only be checked by its --data path."""
+        was, now = old.get("corpus"), self.corpus
+        if isinstance(was, dict) and "sha256" in was:
+            if was["sha256"] != now["sha256"]:
+                raise ConfigError(
+                    f"cannot resume from {path}: --data is another corpus (sha256 {now['sha256'][:12]}, "
+                    f"{now['bytes']:,} bytes) than the run started on (sha256 {was['sha256'][:12]}, "
+                    f"{was.get('bytes', 0):,} bytes, from --data {old['train'].get('data')}); pass the same corpus")
+            return
+        if old["train"].get("data") != self.tc.data:
+            raise ConfigError(f"cannot resume from {path}: it was trained on --data {old['train'].get('data')}, "
+                              f"now --data {self.tc.data}, and it predates corpus digests, so only the path "
+                              f"can be compared; pass the same --data")
+        if self.dd.lead:
+            print(f"{self.name}: note: {path.name} predates corpus digests; the corpus was checked by its "
+                  f"path, and its sha256 is recorded from now on", file=sys.stderr)
 
     def fit(self) -> dict:
         """Train up to ``tc.steps``; ``{"step", "val_bpc", "test_bpc", "stopped"}``, where
@@ -300,19 +332,24 @@ class Trainer:
             return loss_v, grad_norm.item(), bool(stop_now)
         if bad:
             what = "loss" if not math.isfinite(loss_v) else "gradient norm"
-            good = latest_checkpoint(self.run_dir)
-            where = (f"last good checkpoint: {good} (resume from it with --resume, e.g. with a "
-                     f"lower --lr)" if good else "no checkpoint was written yet")
             again = f" ({MAX_SKIPS_IN_A_ROW} skipped in a row before it)" if self._skip_run else ""
-            if dd.lead:  # the run dir says how it ended, for the results (a resume removes it)
-                atomic_write(self.run_dir / NONFINITE_FILE, json.dumps(
-                    {"step": step + 1, "what": what, "skipped_in_a_row": self._skip_run,
-                     "last_checkpoint": good and good.name}) + "\n")
-            raise NonFiniteError(f"{self.name}: non-finite {what} at step {step + 1}{again}; the update "
-                                 f"was not applied and the run stopped; {where}")
+            self._stop_nonfinite(step + 1, what, f"non-finite {what} at step {step + 1}{again}; the "
+                                 f"update was not applied and the run stopped")
         self._skip_run = 0
         st.optimizer.step()
         return loss_v, grad_norm.item(), bool(stop_now)
+
+    def _stop_nonfinite(self, step: int, what: str, why: str):
+        """Raise :class:`NonFiniteError` naming the last good checkpoint (finite weights and val
+        BPC), and say so in the run dir's nonfinite.json (a resume removes it)."""
+        good = last_good_checkpoint(self.run_dir) if self.dd.lead else None
+        where = (f"last good checkpoint: {good} (resume from it with --resume, e.g. with a "
+                 f"lower --lr)" if good else "no good checkpoint was written")
+        if self.dd.lead:
+            atomic_write(self.run_dir / NONFINITE_FILE, json.dumps(
+                {"step": step, "what": what, "skipped_in_a_row": self._skip_run,
+                 "last_checkpoint": good and good.name}) + "\n")
+        raise NonFiniteError(f"{self.name}: {why}; {where}")
 
     def evaluate(self, split: str) -> float:
         return evaluate(self.model, self.splits[split], self.mc.seq_len, self.tc.eval_batch_size,
@@ -324,6 +361,10 @@ class Trainer:
         The event file is flushed first: once a checkpoint of step s is on disk, so is every
         event up to step s (what a reader, or a test waiting on the run, can rely on)."""
         sd = self.state.state_dict()
+        bad = nonfinite(sd)  # the same on every rank: weights are checked equal, val BPC is reduced
+        if bad:  # never written, so never kept or named as the last good one
+            self._stop_nonfinite(self.state.step, bad, f"{bad} at step {self.state.step}, not checkpointed; "
+                                 f"the run stopped")
         if self.dd.lead:
             if self.writer is not None:
                 self.writer.flush()
@@ -365,8 +406,9 @@ class Trainer:
         self._t0, self._n = time.perf_counter(), 0
         if not dd.lead:
             return
-        text = json.dumps({**st.config, "attention": self.attention}, indent=2)
-        atomic_write(self.run_dir / "config.json", text + "\n")
+        text = json.dumps(st.config, indent=2)
+        entry = {**start_entry(st.step, st.config["train"], self.corpus), "attention": self.attention}
+        write_config(self.run_dir, {**st.config, "attention": self.attention}, entry)
         # purge_step: readers drop events a killed process wrote after the checkpoint we resume
         self.writer = SummaryWriter(self.run_dir, purge_step=st.step + 1)
         self.writer.add_text("config", f"```\n{text}\n```", st.step)
