@@ -105,7 +105,8 @@ def test_checkpoint_loads_weights_only_and_samples(ablation, capsys):
     assert ckpt["config"]["model"] == asdict(ModelConfig(**MODEL_PRESETS["tiny"]))
     assert ckpt["config"]["train"]["lr"] == config.TRAIN_PRESETS["tiny"]["lr"]
     saved = json.loads((out / "rope-seed0" / "config.json").read_text())
-    assert {k: v for k, v in saved.items() if k != "history"} == ckpt["config"]
+    assert {k: v for k, v in saved.items() if k not in ("history", "attention")} == ckpt["config"]
+    assert saved["attention"] == saved["history"][0]["attention"] and saved["attention"].startswith("torch path (")
     assert [(h["from_step"], h["train"], h["corpus"]) for h in saved["history"]] == \
         [(0, ckpt["config"]["train"], ckpt["config"]["corpus"])]
     assert not list(path.parent.glob("*.tmp"))
