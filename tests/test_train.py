@@ -212,7 +212,7 @@ def test_on_the_shared_sample(tmp_path):
 
 
 def test_cpu40m_is_cpu20m_with_issue24s_recipe_and_twice_the_bytes():
-    """The recipe chosen on `none` (results/sweep24) changes only qk_norm, the redraws and the lr;
+    """The recipe chosen on `none` (results/recipe_sweep) changes only qk_norm, the redraws and the lr;
     the old recipe stays reachable as --preset cpu20m (or cpu40m with --no-qk-norm
     --feature-redraw-interval 1000 --lr 2e-3)."""
     old, new = MODEL_PRESETS["cpu20m"], MODEL_PRESETS["cpu40m"]

@@ -1,6 +1,6 @@
 """Chunk and block sizes of the causal op, fwd+bwd, FAVOR+ inside, B*H = 12, d = 64, m = 266.
 
-    python benchmarks/issue22_ops/chunk_sweep.py THREADS N
+    python benchmarks/op_experiments/chunk_sweep.py THREADS N
 """
 import sys, time, torch, statistics
 from linear_rope import rotary_linear_attention

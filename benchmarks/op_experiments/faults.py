@@ -3,10 +3,10 @@
 Under glibc's default allocator every tensor over 32 MiB is a fresh mmap, first touched page by
 page. Compare the allocator settings from outside (they are read before torch starts):
 
-    TH=2 python benchmarks/issue22_ops/faults.py 4096
-    TH=2 THP_MEM_ALLOC_ENABLE=1 python benchmarks/issue22_ops/faults.py 4096
+    TH=2 python benchmarks/op_experiments/faults.py 4096
+    TH=2 THP_MEM_ALLOC_ENABLE=1 python benchmarks/op_experiments/faults.py 4096
     TH=2 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=536870912 \
-        python benchmarks/issue22_ops/faults.py 4096
+        python benchmarks/op_experiments/faults.py 4096
 """
 import sys, time, resource, torch
 from linear_rope import FavorFeatures, rotary_linear_attention

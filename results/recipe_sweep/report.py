@@ -2,7 +2,7 @@
 between evaluations, test BPC, and the train-BPC change across steps 1000 and 2000 (the FAVOR+
 redraws at the default interval; for a candidate without redraws, the same windows as a control).
 
-    python results/sweep24/report.py /work/runs24/sweep old qk qk-noredraw qk-lr4e-3
+    python results/recipe_sweep/report.py /work/runs24/sweep old qk qk-noredraw qk-lr4e-3
 """
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Training step time of a preset, compiled (model.compile()) against eager, alternating children.
 
-    python benchmarks/issue22_ops/compile_train.py cpu20m 1 1 30 rope    # preset threads rounds steps variant
+    python benchmarks/op_experiments/compile_train.py cpu20m 1 1 30 rope    # preset threads rounds steps variant
 """
 # Time train_step of a preset with compile on/off, alternating children. usage: python compile_train.py PRESET THREADS ROUNDS STEPS
 import json, subprocess, sys, statistics

@@ -3,8 +3,8 @@
 # (decay at 9800 steps), its first 2450 steps (10M bytes, two FAVOR+ redraws), one thread each,
 # one candidate after another (the ones named, or all). Re-running it resumes a candidate a
 # session end stopped. Two at a time on the 2-core box:
-#   nohup nice -n 19 bash results/sweep24/sweep.sh qk > sweep-a.log 2>&1 &      (from the repo root)
-#   nohup nice -n 19 bash results/sweep24/sweep.sh qk-noredraw > sweep-b.log 2>&1 &
+#   nohup nice -n 19 bash results/recipe_sweep/sweep.sh qk > sweep-a.log 2>&1 &      (from the repo root)
+#   nohup nice -n 19 bash results/recipe_sweep/sweep.sh qk-noredraw > sweep-b.log 2>&1 &
 set -u
 cd "$(dirname "$0")/../.."
 runs=${RUNS:-/work/runs24}  # outside the checkout

@@ -6,7 +6,7 @@ from benchmarks.common import setup
 setup(); torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 from linear_rope import FavorFeatures, rotary_linear_attention
 from linear_rope.ops import chunk_blocks
-from benchmarks.issue22_ops.prof import make, inside, featin, timeit, yard, gemm_rate
+from benchmarks.op_experiments.prof import make, inside, featin, timeit, yard, gemm_rate
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 a = make(n)
 t0 = time.perf_counter(); inside(*a); print("eager first call", time.perf_counter() - t0, flush=True)

@@ -1,7 +1,7 @@
 """The causal op with and without its workspace pool (ops/workspace.py), interleaved in one
 process: fwd+bwd, FAVOR+ inside, B*H = 12, d = 64, m = 266, glibc's default allocator.
 
-    TH=2 python benchmarks/issue22_ops/workspace_ab.py 4096 6     # N, rounds
+    TH=2 python benchmarks/op_experiments/workspace_ab.py 4096 6     # N, rounds
 """
 import os
 import resource

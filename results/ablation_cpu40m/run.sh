@@ -4,8 +4,8 @@
 # outside the checkout. Start two workers (the box has 2 cores); each takes the next run of the
 # queue that no live worker holds, so re-running the same two commands in a later session
 # resumes the unfinished runs (--resume) and skips the finished ones:
-#   RUNS=/work/runs24 nohup nice -n 19 bash results/ablation24/run.sh > /work/runs24/worker-1.log 2>&1 &
-#   sleep 5; RUNS=/work/runs24 nohup nice -n 19 bash results/ablation24/run.sh > /work/runs24/worker-2.log 2>&1 &
+#   RUNS=/work/runs24 nohup nice -n 19 bash results/ablation_cpu40m/run.sh > /work/runs24/worker-1.log 2>&1 &
+#   sleep 5; RUNS=/work/runs24 nohup nice -n 19 bash results/ablation_cpu40m/run.sh > /work/runs24/worker-2.log 2>&1 &
 # Logs: $RUNS/<group>-<variant>-seed<s>.log; runs: $RUNS/main/<variant>-seed<s>, $RUNS/m128/...
 # `python` must be the project's venv (activate it first).
 set -u

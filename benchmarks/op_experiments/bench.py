@@ -3,7 +3,7 @@ fwd+bwd, causal, B*H=12, d=64, m=266, fp32. The earlier trees are imported as re
 
     git archive 92ee694 linear_rope | tar -x -C /tmp/base22 && mv /tmp/base22/linear_rope /tmp/base22/linear_rope_base
     git archive issue27-ops-done linear_rope | tar -x -C /tmp/pre22 && mv /tmp/pre22/linear_rope /tmp/pre22/linear_rope_pre
-    PYTHONPATH=$PWD THREADS=1 python benchmarks/issue22_ops/bench.py 1024,4096 5
+    PYTHONPATH=$PWD THREADS=1 python benchmarks/op_experiments/bench.py 1024,4096 5
 """
 import os, sys, time, statistics
 sys.path.insert(0, "/tmp/base22"); sys.path.insert(0, "/tmp/pre22")
