@@ -20,13 +20,7 @@ ROT = [pytest.param(True, id="rope"), pytest.param(False, id="norope")]
 CU = [0, 11, 12, 37]  # a one-token document in the middle
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small sizes: one thread (two spin at every barrier on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one thread for small sizes
 
 
 def make(B, favor, seed=0):

@@ -34,13 +34,7 @@ PROMPTS = [b"The ", b"Rotary position ", b"x"]  # ragged: left padding of 12 and
 NEW = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread (two spin at every barrier on a busy machine, up to 10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one thread for small sizes
 
 
 def tiny(position: str, seed: int = 0) -> PerformerLM:
