@@ -109,6 +109,28 @@ def test_half_inputs_are_close(standin):
     torch.testing.assert_close(gst.z.double(), wst.z, rtol=2e-2, atol=2e-2)
 
 
+def test_half_odd_widths_are_padded(standin, monkeypatch):
+    """float16, Eq. 18 with m = 7 and e = 5: fla's 16-bit kernels get even K and V (a zero feature,
+    a zero value column), which change nothing; blocks of 4 and 3."""
+    monkeypatch.setattr(fla_path, "MAX_K", 4)
+    seen = []
+    monkeypatch.setattr(fla_path, "_kernel", lambda: lambda q, k, v, **kw: (
+        seen.append((q.shape[-1], v.shape[-1], q.dtype)), standin_chunk_linear_attn(q, k, v, **kw))[1])
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.rand(2, 3, 9, 7, generator=g, **F64) + 0.01 for _ in range(2))
+    v = torch.randn(2, 3, 9, 5, generator=g, **F64)
+    got = fla_path.fla_rotary_linear_attention(q.half(), k.half(), v.half(), rotary=False)
+    assert got.dtype == torch.float16 and all(K % 2 == 0 and V % 2 == 0 and dt == torch.float16 for K, V, dt in seen)
+    torch.testing.assert_close(got.double(), reference(q, k, v, rotary=False), rtol=1e-2, atol=1e-2)
+
+
+def test_env_variable_forces_fla(monkeypatch):
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", "fla")
+    q, k, v = (torch.rand(1, 2, 5, 4) for _ in range(3))
+    with pytest.raises(ValueError, match="backend 'fla' was forced, but tensors on cpu"):
+        rotary_linear_attention(q, k, v)
+
+
 def test_feature_blocks():
     assert fla_path.feature_blocks(266) == [(0, 134), (134, 266)]
     assert fla_path.feature_blocks(256) == [(0, 256)]
