@@ -9,6 +9,10 @@ timed, each forced, so that neither hides behind the dispatch:
 * ``ours_triton``: the same call under ``use_backend("triton")``: the Triton kernels (FAVOR+,
   RoPE and the running state on chip; TF32x3 exponents, rounded-TF32 GEMMs on bf16 inputs).
   On the CPU (quick mode) they run in Triton's interpreter: the rows exist, their times mean nothing.
+* ``ours_fla``: the same call under ``use_backend("fla")``: the fla-backed path
+  (``linear_rope/ops/fla_path.py``: FAVOR+ and RoPE in torch, numerator and denominator on
+  fla-core's ``chunk_linear_attn``). Needs CUDA and fla-core (``linear_rope[fla]``); on the CPU
+  the row says so.
 * ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on CUDA (the default backend, with a note, if
   flash cannot run); exact softmax attention.
@@ -102,11 +106,22 @@ def _performer(ctx: Ctx):
 
 
 def _ours(W, path: str):
-    """The public op with its path forced: "torch" or "triton"."""
+    """The public op with its path forced: "torch", "triton" or "fla"."""
     def call(q, k, v):
         with use_backend(path):
             return rotary_linear_attention(q, k, v, projection=W)
     return call
+
+
+def _ours_fla(ctx: Ctx, W):
+    from linear_rope.ops.fla_path import FLA_TESTED, fla_available
+
+    if not ctx.cuda:
+        return None, f"{NEEDS_CUDA} (the fla path runs fla-core's Triton GPU kernels)"
+    if not fla_available():
+        return None, "skipped: fla-core is not installed (pip install 'linear_rope[fla]')"
+    return _ours(W, "fla"), (f"fla path: linear_rope.rotary_linear_attention(projection=W [266, 64]) forced onto it "
+                             f"(fla-core chunk_linear_attn for numerator and denominator, tested with {FLA_TESTED})")
 
 
 def _ours_triton(ctx: Ctx, W):
@@ -117,8 +132,8 @@ def _ours_triton(ctx: Ctx, W):
     return _ours(W, "triton"), f"{where}; linear_rope.rotary_linear_attention(projection=W [266, 64]) forced onto them"
 
 
-PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "sdpa": "flash SDPA", "fla_chunk": "fla",
-         "fla_fused_chunk": "fla", "performer": "performer-pytorch"}
+PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "ours_fla": "fla path", "sdpa": "flash SDPA",
+         "fla_chunk": "fla", "fla_fused_chunk": "fla", "performer": "performer-pytorch"}
 
 
 def impls(ctx: Ctx) -> dict:
@@ -128,6 +143,7 @@ def impls(ctx: Ctx) -> dict:
     res["ours_torch"] = (_ours(W, "torch"), "torch path: linear_rope.rotary_linear_attention(projection=W [266, 64]) "
                                             "forced onto it, causal Eq. 19, float32 inside")
     res["ours_triton"] = _ours_triton(ctx, W)
+    res["ours_fla"] = _ours_fla(ctx, W)
     for name, make in (("sdpa", lambda: _flash(ctx)), ("fla_chunk", lambda: _fla(ctx, False)),
                        ("fla_fused_chunk", lambda: _fla(ctx, True)), ("performer", lambda: _performer(ctx))):
         try:

@@ -118,6 +118,10 @@ MUTANTS = [
     Mutant("feature-sign check skipped under torch.compile", OPS + "utils.py",
            "        torch._assert_async(t.detach().min() >= 0, msg)\n", "",
            ["tests/test_keywords_op.py", "-k", "under_compile"]),
+    Mutant("fla path: denominator from the rotated features", OPS + "fla_path.py",
+           "d, z = _fla(F.pad(fq[..., s:t], pad).to(fdt), F.pad(fk[..., s:t], pad).to(fdt),",
+           "d, z = _fla(F.pad(rq[..., s:t], pad).to(fdt), F.pad(rk[..., s:t], pad).to(fdt),",
+           ["tests/test_fla_path.py", "-k", "matches_reference and none-features-rope"]),
 ]
 
 

@@ -82,6 +82,7 @@ def test_cpu_quick_says_what_needs_cuda(cpu_quick):
     assert all(r["ms"] > 0 and r["peak_mib"] == NEEDS_CUDA for r in ok)
     paths = {r["impl"]: r["path"] for r in speed["rows"]}  # every row names the implementation that ran
     assert paths["ours_torch"] == "torch path" and paths["ours_triton"] == "triton kernels"
+    assert paths["ours_fla"] == "fla path" and speed["impls"]["ours_fla"].startswith(NEEDS_CUDA)
     assert {paths["sdpa"], paths["fla_chunk"], paths["performer"]} == {"flash SDPA", "fla", "performer-pytorch"}
     if triton:
         assert speed["impls"]["ours_triton"].startswith("triton kernels (interpreter")

@@ -159,7 +159,9 @@ def rotary_linear_attention(
     Backends: a causal call takes the fused Triton kernels (``linear_rope.ops.triton``) where the
     tensors are on CUDA, Triton is installed and the kernels take the call; the torch path
     otherwise. ``LINEAR_ROPE_BACKEND=torch|triton|auto`` forces either (``triton`` raises with the
-    reason for a call the kernels do not take). Inside ``torch.compile`` the op is the custom op
+    reason for a call the kernels do not take); ``fla`` forces the fla-core path (``fla_path.py``,
+    causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the reason otherwise),
+    which ``auto`` does not pick until a GPU measures it (docs/gpu.md, "Cost model"). Inside ``torch.compile`` the op is the custom op
     ``linear_rope::chunk_causal`` (the torch path) whatever the backend.
 
     Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
@@ -175,6 +177,11 @@ def rotary_linear_attention(
     if causal and torch.jit.is_tracing():
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
+    if backend() == "fla" and not torch.compiler.is_compiling():  # forced: fla-core's kernels or an error
+        return _forced_fla(q, k, v, dict(causal=causal, rotary=rotary, offset=offset, base=base,
+                                         projection=projection, mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens,
+                                         initial_state=initial_state, output_final_state=output_final_state,
+                                         allow_negative=allow_negative))
     if causal and not torch.compiler.is_compiling():
         kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
                   key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
@@ -213,6 +220,18 @@ def rotary_linear_attention(
         return out
     S = S[..., :e]
     return out, (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))
+
+
+def _forced_fla(q, k, v, kw):
+    """``LINEAR_ROPE_BACKEND=fla``: the fla-backed path (``fla_path.py``), or a one-line
+    ValueError with the reason it cannot take the call (never a silent fallback)."""
+    from . import fla_path
+
+    ok, why = fla_path.supports_fla(q, k, v, **kw)
+    if not ok:
+        raise ValueError(f"backend 'fla' was forced, but {why}")
+    record(f"fla path (fla-core chunk_linear_attn, tested with {fla_path.FLA_TESTED})")
+    return fla_path.fla_rotary_linear_attention(q, k, v, **kw)
 
 
 def _empty(q, k, v, a, cdt, output_final_state):

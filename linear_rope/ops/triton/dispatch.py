@@ -16,6 +16,9 @@ variable, else ``"auto"``.
   and when a kernel fails: never a silent fallback. An untested Triton version or capability is
   tried when forced.
 * ``torch`` never takes them.
+* ``fla`` takes neither: the op sends every call to the fla-core path (``ops/fla_path.py``),
+  which raises with the reason for a call it does not take. ``auto`` never picks fla: until a GPU
+  measures both, the CUDA default stays the Triton kernels (docs/gpu.md, "Cost model").
 
 ``record_paths`` collects the path each call takes (the trainer names it in its first lines).
 """
@@ -35,7 +38,7 @@ __all__ = ["BACKENDS", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", 
            "should_use_triton", "supports", "triton_available", "use_backend"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "fla")
 MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the ahead-of-time builds check this size
 NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu.md)
 NUM_WARPS = 8  # 256 threads share each program's tiles: fewer registers per thread (and spills) than 4 warps
@@ -194,7 +197,7 @@ _OVERRIDE: list[str] = []  # use_backend's stack (innermost last)
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Within the block, calls take backend ``name`` ("auto", "torch" or "triton") as if
+    """Within the block, calls take backend ``name`` ("auto", "torch", "triton" or "fla") as if
     ``LINEAR_ROPE_BACKEND`` said so: e.g. to time both paths through the public op."""
     if name not in BACKENDS:
         raise ValueError(f"use_backend: name must be one of {BACKENDS}, got {name!r}")
@@ -242,6 +245,8 @@ def record(path: str, replace: bool = False) -> None:
 
 def _decide(q, k, v, force, kwargs) -> tuple[bool, str]:
     name = backend(force)
+    if name == "fla":  # the op routes fla calls before asking; here it means: not the Triton kernels
+        return False, "fla path (forced)"
     if name == "torch":
         return False, f"torch path ({ENV_VAR}=torch)" if not force and not _OVERRIDE else "torch path (forced)"
     ok, why = supports(q, k, v, **kwargs)

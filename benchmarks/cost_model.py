@@ -1,0 +1,163 @@
+"""A roofline cost model of causal Eq. 19 fwd+bwd on an H100: four paths, arithmetic only.
+
+    python -m benchmarks.cost_model        # prints the table, writes benchmarks/results/cost_model.json
+
+ESTIMATES: no GPU measured any of these numbers. Each path is split into phases; a phase's time
+is max(FLOPs / peak, HBM bytes / bandwidth) at the peak of the units it runs on, and a path's
+time is the sum over its phases. Real kernels reach a fraction of these peaks (occupancy,
+latency, launches, the serial chunk walk), so every time here is a lower bound of its kind;
+the ratios between paths are the point. Per head (the totals multiply by G = B*H), with
+N tokens, d = 64 (head), m = 266 (FAVOR+ features), e = 64 (values), bf16 inputs:
+
+* FLOPs: 2 per multiply-add; the backward counts 2x the forward (gradients of both operands of
+  every product), so fwd+bwd = 3x forward, as ``benchmarks.attention.ours_flops``; flash SDPA's
+  backward is 2.5x its forward (5 GEMMs against 2: it recomputes the scores).
+* Chunked linear attention with K features, V values, chunk C, forward: 2NCK (QK^T inside
+  the chunks) + 2NCV (its product with V) + 2NKV (chunk states) + 2NKV (queries times states).
+  Eq. 19 runs it twice: the numerator on rotated features (V = e) and the denominator on
+  unrotated ones (V = 1: a ones column; tensor-core tiles pad it to 16).
+* FAVOR+ features: the projection GEMM, 2Ndm per tensor (q and k): 4Ndm forward.
+* Bytes: compulsory HBM traffic of the tensors each path materialises; tiles re-read from L2
+  inside one kernel (flash's K/V tiles) are not counted. The pass counts are stated per path.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+D, M, E = 64, 266, 64
+PEAK = {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}  # H100 SXM dense, FLOP/s
+BW = 3.35e12  # HBM3, bytes/s
+SHAPES = [(32, 12, 1024), (8, 12, 4096), (8, 12, 16384), (8, 12, 32768)]  # (B, H, N): B*H = 384, 96, 96, 96
+OUT = Path(__file__).resolve().parent / "results" / "cost_model.json"
+
+
+def chunked(N, K, V, C, Vtile=None):
+    """Forward FLOPs of one chunked linear attention (Vtile: V as the tensor cores compute it)."""
+    Vc = V if Vtile is None else max(V, Vtile)
+    return 2 * N * C * K + 2 * N * C * Vc + 4 * N * K * Vc
+
+
+def phase(name, flops, nbytes, peak):
+    return {"phase": name, "flops": flops, "bytes": nbytes, "peak": peak,
+            "ms": 1e3 * max(flops / PEAK[peak], nbytes / BW)}
+
+
+def torch_path(N, peak="fp32"):
+    """The torch path (linear_rope/ops/chunk*.py), float32 inside, C = 64. torch's default
+    (``allow_tf32 = False``) runs its float32 GEMMs on the non-tensor FP32 units (67 TFLOP/s);
+    ``peak="tf32"`` is the same path with TF32 allowed (``benchmarks.gpu --tf32``).
+    Bytes, forward, in fp32 [N, m] passes: per q / k 11 (projection output 1, exp in place 2,
+    rotation 8: two half-width products, two sums, stack and flatten), and 8 reads of the four
+    feature tensors by the GEMMs (intra and states); the two [N, C] products (num, den) 4
+    passes each; the [N/C, m, e] chunk states 4 (bmm, prefix sum read + write, read);
+    out, den, division, cast 6 [N, e] passes. The backward moves 2x the forward's bytes."""
+    C = 64
+    f = 4 * N * D * M + chunked(N, M, E, C) + chunked(N, M, 1, C)
+    b = 4 * (2 * 11 * N * M + 8 * N * M + 2 * 4 * N * C + 4 * (N / C) * M * E + 6 * N * E) + 2 * 3 * N * D
+    return [phase("all (torch GEMMs + elementwise)", 3 * f, 3 * b, peak)]
+
+
+def fla_path(N):
+    """The fla-backed path (linear_rope/ops/fla_path.py). Phase 1, torch: FAVOR+ in float32
+    (projection GEMM on the FP32 units) and RoPE, as the torch path's 2 x 11 fp32 [N, m]
+    passes, then the four bf16 tensors fla gets (rq, rk, fq, fk), each read once in fp32 and
+    copied 3 times in bf16 (pad, cast, [B, T, H, K] layout): 4 x (4 + 3 x 2 x 2) N m bytes; the
+    sum of the blocks' outputs and the division, 8 fp32 [N, e] passes; backward 2x.
+    Phase 2, fla's ``chunk_linear_attn`` (C = 64, bf16 operands, states h [N/C, K, V] in bf16):
+    forward reads q once, k and v twice, writes and reads h, writes o: 2 (3NK + 3NV + 2 (N/C) K V)
+    bytes; backward (h recomputed, dh, dv, dq / dk kernels) 2 (8NK + 6NV + 5 (N/C) K V): in all
+    2 (11NK + 9NV + 7 (N/C) K V). The numerator runs as 2 feature blocks (m = 266 > 256): v and
+    its gradient are read per block. The denominator: V = 2 columns of ones, tiles of 16."""
+    C, blocks = 64, math.ceil(M / 256)
+    f_torch = 4 * N * D * M
+    b_torch = 3 * (4 * 2 * 11 * N * M + 4 * (4 + 12) * N * M + 4 * 8 * N * E) + 2 * 3 * N * D
+
+    def fla_bytes(K, V, nb):
+        return 2 * (11 * N * K + 9 * N * V * nb + 7 * (N / C) * K * V)
+    f_fla = chunked(N, M, E, C) + chunked(N, M, 2, C, Vtile=16)
+    b_fla = fla_bytes(M, E, blocks) + fla_bytes(M, 2, blocks)
+    return [phase("features + RoPE (torch, fp32)", 3 * f_torch, b_torch, "fp32"),
+            phase("fla chunk_linear_attn x2 (bf16)", 3 * f_fla, b_fla, "bf16")]
+
+
+def fla_fused_features_path(N):
+    """Not built: the fla-backed path with FAVOR+ and RoPE in one small kernel (the issue's other
+    option) that reads q, k (bf16) and writes the four bf16 tensors fla gets in its layout, and
+    in the backward reads their four gradients and writes dq, dk; the exponent products at 3x
+    TF32 (TF32x3, as our kernels). fla's phase as in ``fla_path``; the blocks' sum and the
+    division 4 fp32 [N, e] passes, backward 2x."""
+    f_feat = 3 * 4 * N * D * M * 3
+    b_feat = 2 * (2 * N * D * 2) + 2 * (4 * N * M * 2) + 3 * 4 * 4 * N * E
+    return [phase("features + RoPE (one kernel, TF32x3)", f_feat, b_feat, "tf32"), fla_path(N)[1]]
+
+
+def triton_path(N):
+    """Our Triton kernels (linear_rope/ops/triton): one program per (head, block of BP = 32
+    rotation pairs), P = 5 blocks at m = 266 (320 features computed), C = 32. FLOPs: each block
+    recomputes its features (TF32x3 exponent products: 3x the TF32 work) and its own numerator
+    and denominator products (rounded TF32 on bf16 inputs: the TF32 peak). Bytes: each block
+    reads q, k, v (bf16) and writes fp32 partial sums of the numerator and denominator [N, e+1],
+    which torch adds (P reads, 1 write); the backward walks the sequence twice, reading q, k, v,
+    dout and the forward's out / den per block each time, and writes fp32 partial dq, dk, dv
+    [N, 64] per block, added in torch."""
+    C, P, mp = 32, math.ceil(M / 2 / 32), 2 * 32 * math.ceil(M / 2 / 32)
+    feat = 3 * 4 * N * D * mp  # TF32x3
+    att = 2 * N * C * mp * 2 + P * 2 * N * C * E + 4 * N * mp * E + 2 * N * mp  # num (rotated) + den (unrotated)
+    f = 3 * (feat + att)
+    b_fwd = P * 3 * N * D * 2 + P * N * (E + 1) * 4 + (P + 1) * N * (E + 1) * 4 + 4 * N * E * 4
+    b_bwd = 2 * P * (4 * N * D * 2 + N * (E + 1) * 4) + 3 * P * N * D * 4 + 3 * (P + 1) * N * D * 4
+    return [phase("kernels (TF32 / TF32x3 GEMMs)", f, b_fwd + b_bwd, "tf32")]
+
+
+def sdpa_path(N):
+    """Flash SDPA (exact causal softmax attention, bf16): forward 2 N^2 d (QK^T and PV over the
+    lower triangle), backward 2.5x. Bytes: forward q, k, v in, o out (bf16) and the log-sum-exp
+    (fp32); backward q, k, v, o, dout in, dq, dk, dv out, the fp32 dq accumulator read and
+    written once, and delta. K / V tiles re-read per query tile are taken to hit L2."""
+    f = 2 * N * N * D * 3.5
+    b = 2 * 4 * N * D + 4 * N + 2 * 8 * N * D + 2 * 4 * N * D + 2 * 4 * N
+    return [phase("flash kernels (bf16)", f, b, "bf16")]
+
+
+PATHS = {"torch path (fp32)": torch_path, "torch path (TF32 allowed)": lambda N: torch_path(N, "tf32"),
+         "fla-backed": fla_path, "fla-backed, fused features*": fla_fused_features_path,
+         "our Triton kernels": triton_path, "flash SDPA": sdpa_path}
+
+
+def table():
+    rows = []
+    for B, H, N in SHAPES:
+        G = B * H
+        for name, fn in PATHS.items():
+            ph = fn(N)
+            rows.append({"B": B, "H": H, "N": N, "path": name,
+                         "gflop": G * sum(p["flops"] for p in ph) / 1e9,
+                         "gbyte": G * sum(p["bytes"] for p in ph) / 1e9,
+                         "ms": G * sum(p["ms"] for p in ph),
+                         "phases": [dict(p, flops=G * p["flops"], bytes=G * p["bytes"], ms=G * p["ms"]) for p in ph]})
+    return rows
+
+
+def main() -> None:
+    rows = table()
+    head = f"{'B':>3} {'H':>3} {'N':>6}  {'path':<30} {'GFLOP':>9} {'GB':>8} {'est. ms':>9}  bound per phase"
+    print("ESTIMATES (roofline arithmetic, H100 SXM: bf16 989, TF32 494, FP32 67 TFLOP/s, 3.35 TB/s); no GPU "
+          "measured these.")
+    print(head)
+    for r in rows:
+        bound = ", ".join(f"{p['peak']}:{'FLOPs' if p['flops'] / PEAK[p['peak']] >= p['bytes'] / BW else 'bytes'}"
+                          for p in r["phases"])
+        print(f"{r['B']:>3} {r['H']:>3} {r['N']:>6}  {r['path']:<30} {r['gflop']:>9.1f} {r['gbyte']:>8.2f} "
+              f"{r['ms']:>9.3f}  {bound}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"note": "estimates from arithmetic (benchmarks/cost_model.py); no GPU measured them",
+                               "peaks_flop_s": PEAK, "hbm_bytes_s": BW, "d": D, "m": M, "e": E,
+                               "dtype": "bf16 inputs", "mode": "fwd+bwd", "rows": rows}, indent=1) + "\n")
+    print("* not built: the fla-backed path with its torch feature pass replaced by one kernel")
+    print(f"wrote {OUT.relative_to(OUT.parents[2])}")
+
+
+if __name__ == "__main__":
+    main()
