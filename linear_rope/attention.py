@@ -165,10 +165,13 @@ class RotaryLinearAttention(HeadProjections):
         if context is not None:  # context_mask alone masks the context keys; mask is the queries'
             key_mask = context_mask if context_mask is not None else torch.ones(
                 context.shape[:2], dtype=torch.bool, device=context.device)
+        rotary = self.position in ("rope", "rope_norm")
+        pos = dict(offset=offset, base=self.base) if rotary else {}  # the op uses them only with RoPE
+        if self.position == "none":  # no positions here, but a bad offset is an error as in the other variants
+            check_offset(offset, rows=B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, N)))
         res = rotary_linear_attention(
-            q, k, v, causal=self.causal, rotary=self.position in ("rope", "rope_norm"), offset=offset, base=self.base,
-            projection=projection, mask=mask, key_mask=key_mask,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+            q, k, v, causal=self.causal, rotary=rotary, projection=projection, mask=mask, key_mask=key_mask,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state, **pos,
         )
         out, state = res if output_final_state else (res, None)
         out = self._project_out(self._renormalise(out), x)
@@ -189,8 +192,9 @@ class RotaryLinearAttention(HeadProjections):
             q = apply_rotary(q.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
             k = apply_rotary(k.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
         q, k, projection = self._op_inputs(q, k)
+        rotary = self.position in ("rope", "rope_norm")
         out, state = rotary_linear_attention_step(
-            q, k, self._ones_column(v), state, position, rotary=self.position in ("rope", "rope_norm"),
-            base=self.base, projection=projection,
+            q, k, self._ones_column(v), state, position, rotary=rotary, projection=projection,
+            **(dict(base=self.base) if rotary else {}),
         )
         return self._project_out(self._renormalise(out).unsqueeze(2), x_t).squeeze(1), state

@@ -73,8 +73,8 @@ def block_backward(walk, blk, grads, state0, sums, kept, resets):
     m, nc = state0[0].shape[1], t // C
     kmc = None if km is None else chunk_major(km.unsqueeze(-1), C).squeeze(-1)
     gc = chunk_major(g, C)
-    if kmc is not None:
-        gc = gc * kmc.unsqueeze(-1)
+    if kmc is not None:  # padded outputs pass no gradient, whatever it holds (selected, not multiplied)
+        gc = torch.where(kmc.unsqueeze(-1) > 0, gc, 0)
     dnum = (gc / safe_den(den).unsqueeze(-1)).contiguous()  # (nc, BH, C, e)
     dden = (gc * chunk_major(out, C)).sum(-1).div_(safe_den(den)).neg_().mul_(den > 0).contiguous()  # (nc, BH, C)
     if "phq" in kept:

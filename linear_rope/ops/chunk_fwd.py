@@ -53,8 +53,9 @@ class Walk(NamedTuple):
 
 
 def safe_den(den):
-    """The divisor for a denominator kept as 0 where it was <= 0 (see ``block_forward``)."""
-    return torch.where(den > 0, den, torch.ones_like(den))
+    """The divisor for a denominator kept as 0 where it was <= 0 (see ``block_forward``); a NaN
+    stays NaN (it is not "<= 0": a NaN input never turns into a finite output)."""
+    return torch.where(den <= 0, 1, den)
 
 
 def chunk_major(x, C):
@@ -193,7 +194,7 @@ def block_forward(walk, blk, state, keep, resets):
     # A query that sees no real key (left padding) has num = den = 0: the guard gives 0. As in
     # naive, a denominator <= 0 (relu features with disjoint supports, allow_negative) divides by
     # 1 and passes no gradient to den: den is kept as 0 there, for the backward.
-    den = torch.where(den > 0, den, torch.zeros_like(den))
+    den = torch.where(den <= 0, 0, den)
     out = num / safe_den(den).unsqueeze(-1)
     if kmc is not None:
         out *= kmc.unsqueeze(-1)
