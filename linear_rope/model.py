@@ -231,7 +231,8 @@ class PerformerLM(nn.Module):
         """One token `[B]` at ``position`` (an int, or a LongTensor `[B]` per row) -> (logits
         `[B, vocab]`, new states); O(1) in the context. ``states`` holds one state per layer
         (as ``forward(..., output_final_state=True)`` returns them)."""
-        if not isinstance(token, torch.Tensor) or token.dim() != 1 or token.is_floating_point():
+        if not isinstance(token, torch.Tensor) or token.dim() != 1 or token.is_floating_point() \
+                or token.is_complex() or token.dtype == torch.bool:  # a bool is not a token id
             raise ValueError(f"token must be an integer tensor [B], got {getattr(token, 'dtype', type(token).__name__)} "
                              f"{list(getattr(token, 'shape', []))}")
         listed = isinstance(states, (list, tuple)) and not isinstance(states, LinearAttentionState)
