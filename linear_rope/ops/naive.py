@@ -111,9 +111,12 @@ def naive_rotary_linear_attention(
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                    allow_negative=allow_negative, output_final_state=output_final_state))
+    if a.qmask is not None:  # padding is replaced by 0 before anything reads it (its gradient is then 0)
+        q = torch.where(a.qmask[:, None, :, None], q, 0)
+    if a.kmask is not None:
+        k, v = (torch.where(a.kmask[:, None, :, None], t, 0) for t in (k, v))
     a_num, den, (fq, fk, rq, rk, seg_q, seg_k, qmask, kmask) = _weights(
         q, k, causal=causal, rotary=rotary, base=base, projection=projection, a=a)
-    v = torch.where(kmask[:, None, :, None], v, 0)  # a padded value is dropped too
     num = a_num @ v.to(a_num.dtype)  # (B, H, N, e)
     if a.state is not None:  # each query's row / document state
         S0 = a.state.S.to(num.dtype)[seg_q].transpose(1, 2)  # (B, H, N, m, e)

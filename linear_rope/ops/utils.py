@@ -48,8 +48,9 @@ def _is_compiling() -> bool:
     return is_compiling()
 
 
-def _check_non_negative(name: str, t: torch.Tensor) -> None:
-    """Features must be >= 0 (Eq. 19's unrotated denominator can reach 0 or below otherwise).
+def _check_non_negative(name: str, t: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    """Features must be >= 0 (Eq. 19's unrotated denominator can reach 0 or below otherwise);
+    ``real`` `[B, N]` bool: only those tokens are read (padding may hold anything).
 
     Eager: a ValueError naming the minimum (under ``vmap``: of every entry). Under
     ``torch.compile`` the same message from ``torch._assert_async`` (a RuntimeError when the
@@ -60,10 +61,14 @@ def _check_non_negative(name: str, t: torch.Tensor) -> None:
         return
     msg = (f"{name}: features must be non-negative; Eq. 19's unrotated denominator can reach 0 or below "
            "otherwise. Pass allow_negative=True to opt out")
+    low = t.detach().amin(-1)  # (B, H, N)
+    if real is not None:
+        low = torch.where(real[:, None, :], low, 0)
+    low = low.min()
     if _is_compiling():
-        torch._assert_async(t.detach().min() >= 0, msg)
+        torch._assert_async(low >= 0, msg)
         return
-    low = float(values(t).min())
+    low = float(values(low).min())
     if low < 0:
         raise ValueError(msg.replace("non-negative;", f"non-negative (min {low:.3g});"))
 
@@ -242,6 +247,12 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Arg
             "key_mask / k of another length than q means cross-attention, which has no shared "
             "position axis: it needs causal=False and rotary=False"
         )
+    qmask = None if mask is None else check_mask(mask, "mask", (B, N))
+    kmask = None if cross else qmask  # cross-attention: key_mask alone masks the keys
+    if key_mask is not None:
+        if cu_seqlens is not None:
+            raise ValueError("key_mask: cross-attention over packed documents is not supported")
+        kmask = check_mask(key_mask, "key_mask", (B, M))
     if projection is not None:
         if not isinstance(projection, torch.Tensor) or projection.dim() != 2 or projection.shape[1] != x \
                 or not projection.is_floating_point():
@@ -254,9 +265,9 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Arg
             raise ValueError(f"projection has 0 rows: FAVOR+ needs m >= 1 features, got shape {list(projection.shape)}")
     else:
         m = x
-        if not allow_negative:
-            for name, t in (("q", q), ("k", k)):
-                _check_non_negative(name, t)
+        if not allow_negative:  # padding (masked tokens) is not read: it may hold anything
+            _check_non_negative("q", q, qmask)
+            _check_non_negative("k", k, kmask)
     if rotary and m % 2:
         raise ValueError(f"{'projection' if projection is not None else 'q'}: rotary needs an even "
                          f"number of features m, got m={m}")
@@ -267,12 +278,6 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Arg
     offset = check_offset(offset, rows=rows)
     if rotary:
         check_last_position(offset, N if docs is None else max(e - s for s, e in docs))
-    qmask = None if mask is None else check_mask(mask, "mask", (B, N))
-    kmask = None if cross else qmask  # cross-attention: key_mask alone masks the keys
-    if key_mask is not None:
-        if docs is not None:
-            raise ValueError("key_mask: cross-attention over packed documents is not supported")
-        kmask = check_mask(key_mask, "key_mask", (B, M))
     state = check_state(initial_state, rows, H, m, v.shape[-1], state_name)
     positions = None
     if rotary:  # the positions every path uses, packed documents included
