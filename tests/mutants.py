@@ -99,12 +99,25 @@ MUTANTS = [
            "out = out[..., :e].to(out_dtype)", "out = out[..., :e].to(out_dtype) * 0",
            ["tests/test_ops.py", "tests/test_favor_attention.py", "-k", "strictly"]),
     Mutant("feature scale not normalised", OPS + "utils.py",
-           "    return q / sq, k / sk, state, sk", "    return q, k, state, torch.ones_like(sk)",
+           "    return q / sq, k / skt, state, sk", "    return q, k, state, torch.ones_like(sk)",
            ["tests/test_keywords_op.py", "-k", "scale and fp32"]),
     Mutant("workspace hands out buffers still in use", OPS + "workspace.py",
            "            if _use_count(b) == idle:", "            if True:", ["tests/test_workspace.py"]),
+    Mutant("forward-mode AD through the custom op (a silent zero tangent)", OPS + "chunk.py",
+           "            path = composite_causal if transformed else _causal", "            path = _causal",
+           ["tests/test_op_safety.py", "-k", "forward_mode_ad and causal-features-plain"]),
+    Mutant("padding multiplied by the mask instead of selected", OPS + "chunk.py",
+           "        q = torch.where(a.qmask[:, None, :, None], q, 0)\n    if a.kmask is not None:\n"
+           "        k, v = (torch.where(a.kmask[:, None, :, None], t, 0) for t in (k, v))",
+           "        q = q * a.qmask[:, None, :, None]\n    if a.kmask is not None:\n"
+           "        k, v = (t * a.kmask[:, None, :, None] for t in (k, v))",
+           ["tests/test_op_safety.py", "-k", "padding_is_selected and chunk-features"]),
+    Mutant("feature scale per call instead of per packed document", OPS + "utils.py",
+           'sk = ka.new_zeros(H, len(docs)).scatter_reduce_(1, seg.expand(H, -1), ka[0], "amax").t()',
+           "sk = ka.amax(-1).expand(len(docs), -1)",
+           ["tests/test_op_safety.py", "-k", "very_different_scales"]),
     Mutant("feature-sign check skipped under torch.compile", OPS + "utils.py",
-           "        torch._assert_async(t.detach().min() >= 0, msg)\n", "",
+           "        torch._assert_async(low >= 0, msg)\n", "",
            ["tests/test_keywords_op.py", "-k", "under_compile"]),
 ]
 
