@@ -106,11 +106,9 @@ MUTANTS = [
     Mutant("forward-mode AD through the custom op (a silent zero tangent)", OPS + "chunk.py",
            "            path = composite_causal if transformed else _causal", "            path = _causal",
            ["tests/test_op_safety.py", "-k", "forward_mode_ad and causal-features-plain"]),
-    Mutant("padding multiplied by the mask instead of selected", OPS + "chunk.py",
-           "        q = torch.where(a.qmask[:, None, :, None], q, 0)\n    if a.kmask is not None:\n"
-           "        k, v = (torch.where(a.kmask[:, None, :, None], t, 0) for t in (k, v))",
-           "        q = q * a.qmask[:, None, :, None]\n    if a.kmask is not None:\n"
-           "        k, v = (t * a.kmask[:, None, :, None] for t in (k, v))",
+    Mutant("padding multiplied by the mask instead of selected", OPS + "chunk_fwd.py",
+           "    return torch.where(kmc.unsqueeze(-1) > 0, x, 0).contiguous()",
+           "    return (x * kmc.unsqueeze(-1)).contiguous()",
            ["tests/test_op_safety.py", "-k", "padding_is_selected and chunk-features"]),
     Mutant("feature scale per call instead of per packed document", OPS + "utils.py",
            'sk = ka.new_zeros(H, len(docs)).scatter_reduce_(1, seg.expand(H, -1), ka[0], "amax").t()',

@@ -160,8 +160,8 @@ def test_jvp_through_a_causal_layer_matches_its_reference():
 
 # --- padding selects, never multiplies ---------------------------------------------------------
 
-PATHS = {"chunk": (fast, True), "bidirectional": (fast, False), "naive": (naive, True),
-         "naive-bidirectional": (naive, False), "recurrent": (recurrent, True)}
+PATHS = {"chunk": (fast, True, True), "chunk-eq18": (fast, True, False), "bidirectional": (fast, False, True),
+         "naive": (naive, True, True), "naive-bidirectional": (naive, False, True), "recurrent": (recurrent, True, True)}
 FILLS = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="inf"),
          pytest.param(-float("inf"), id="-inf"), pytest.param(1e300, id="huge")]
 
@@ -172,7 +172,7 @@ FILLS = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="in
 def test_padding_is_selected_never_multiplied(path, favor, fill):
     """NaN, inf or huge values in masked positions of q, k, v leave the outputs, the final state
     and every gradient exactly (bit for bit) what they are with zeros there."""
-    op, causal = PATHS[path]
+    op, causal, rotary = PATHS[path]
     N = 23
     q, k, v, w = make(2, N, favor, seed=5)
     mask = pad_mask(2, N)
@@ -186,8 +186,8 @@ def test_padding_is_selected_never_multiplied(path, favor, fill):
         for t in xs:
             t.masked_fill_(~mask[:, None, :, None], value)
         leaves = [t.requires_grad_() for t in xs + [S0.clone(), z0.clone()]]
-        out, (S, z) = op(*leaves[:3], causal=causal, projection=w, mask=mask, output_final_state=True,
-                         initial_state=LinearAttentionState(*leaves[3:]))
+        out, (S, z) = op(*leaves[:3], causal=causal, rotary=rotary, projection=w, mask=mask,
+                         output_final_state=True, initial_state=LinearAttentionState(*leaves[3:]))
         grads = torch.autograd.grad(sum((a * u).sum() for a, u in zip((out, S, z), ups)), leaves)
         return [out, S, z, *grads]
 
@@ -195,7 +195,8 @@ def test_padding_is_selected_never_multiplied(path, favor, fill):
     for a, b in zip(clean, dirty):
         assert torch.isfinite(b).all()
         assert torch.equal(a, b)
-    close(clean[0], naive(q, k, v, causal=causal, projection=w, mask=mask, initial_state=LinearAttentionState(S0, z0)))
+    close(clean[0], naive(q, k, v, causal=causal, rotary=rotary, projection=w, mask=mask,
+                          initial_state=LinearAttentionState(S0, z0)))
 
 
 # --- the feature scale is normalised per packed document and per row ---------------------------

@@ -226,7 +226,9 @@ def rotary_linear_attention(
     if B * H == 0 or N == 0:
         return _empty(q, k, v, a, cdt, output_final_state)
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v = _drop_padding(q.to(cdt), k.to(cdt), v.to(cdt), a)
+        q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        if not causal or transformed:  # (the custom op selects padding away block by block, in copies it makes anyway)
+            q, k, v = _drop_padding(q, k, v, a)
         state, sk = a.state, None
         if projection is None:  # FAVOR+ features inside are stabilised already
             q, k, state, sk = normalise_scale(q, k, a.kmask, state, a.docs)
