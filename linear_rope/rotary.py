@@ -77,7 +77,7 @@ def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
     limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64) * sign
     turns = limbs @ a  # (positions, dim/2): exact
     turns -= turns.floor()
-    turns.addmm_(limbs, b)
+    turns = torch.addmm(turns, limbs, b)
     turns -= turns.floor()
     return turns.view(*positions.shape, dim // 2)
 
