@@ -25,9 +25,10 @@ O(N) time and memory:
   RoPE is one complex multiplication per tensor. Their gradient ignores the shifts, which
   cancel in the ratio.
 * **Bidirectional**: ``R_t phi(q_t) . (sum_n R_n phi(k_n) v_n^T) / phi(q_t) . sum_n phi(k_n)``.
-* **Keywords.** ``mask``: padded tokens' q, k, v are replaced by 0 first (selected, never
-  multiplied: 0 * NaN is NaN), masked keys' features are 0 (so they add to neither sum) and
-  masked queries output 0; positions count real tokens only. ``cu_seqlens`` (causal) runs all
+* **Keywords.** ``mask``: padded tokens' q, k, v are replaced by 0 (selected, never multiplied:
+  0 * NaN is NaN; on the causal path block by block, in the copies the walk makes anyway),
+  masked keys' features are 0 (so they add to neither sum) and masked queries output 0;
+  positions count real tokens only. ``cu_seqlens`` (causal) runs all
   packed documents in one call: each is padded to whole chunks, and the prefix / suffix sums
   restart at its first chunk from its own initial state; an empty document keeps its state.
 * **Transforms.** Under ``torch.func`` (``vmap``, ``grad``, ``jacrev``, ``jvp``, ``jacfwd``) and
@@ -39,10 +40,10 @@ Inside, everything is float32 or wider with autocast off; the result has v's dty
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
-
-import os
 
 from ..checks import is_compiling, is_transformed
 from ..features import favor_features
