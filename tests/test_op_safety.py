@@ -418,6 +418,8 @@ def test_clear_errors_instead_of_internal_crashes():
     q, k, v, w = make(2, 5, True)
     with pytest.raises(ValueError, match="projection has 0 rows"):
         fast(q, k, v, projection=w[:0])
+    with pytest.raises(ValueError, match="projection must be finite"):
+        fast(q, k, v, projection=w.clone().fill_(float("nan")))
     meta = [t.to("meta") for t in (q, k, v)]
     with pytest.raises(ValueError, match="meta tensors"):
         fast(*meta, projection=w.to("meta"))

@@ -263,6 +263,7 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Arg
         m = projection.shape[0]
         if m == 0:
             raise ValueError(f"projection has 0 rows: FAVOR+ needs m >= 1 features, got shape {list(projection.shape)}")
+        require(torch.isfinite(projection).all(), "projection must be finite (a NaN or inf row makes every output NaN)")
     else:
         m = x
         if not allow_negative:  # padding (masked tokens) is not read: it may hold anything
