@@ -51,7 +51,7 @@ def is_transformed(*ts) -> bool:
         return True
     import torch.autograd.forward_ad as fwAD
 
-    if fwAD._current_level < 0:
+    if getattr(fwAD, "_current_level", 0) < 0:  # no dual level open (torch 2.x keeps it here; else look)
         return False
     return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in ts)
 
