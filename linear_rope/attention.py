@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_base, check_flag
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .ops.utils import check_cu_seqlens, check_mask
@@ -74,6 +75,8 @@ class RotaryLinearAttention(HeadProjections):
             raise ValueError(f"dim_head: rope_pre rotates q and k, so it must be even, got {dim_head}")
         if feature_map not in FEATURE_KINDS:
             raise ValueError(f"feature_map must be one of {FEATURE_KINDS}, got {feature_map!r}")
+        check_flag("causal", causal), check_flag("qk_norm", qk_norm)
+        base = check_base(base)  # a NaN base would make every output NaN, at the first forward
         self.features = FavorFeatures(dim_head, nb_features, kind=feature_map)
         if position in ("rope", "rope_norm") and self.features.out_features % 2:
             raise ValueError(f"nb_features: {position} rotates the features, so m must be even, got {self.features.out_features}")
@@ -119,6 +122,12 @@ class RotaryLinearAttention(HeadProjections):
         if cu_seqlens is not None or initial_state is not None or output_final_state:
             raise ValueError("context: cross-attention takes no cu_seqlens, initial_state or output_final_state")
 
+    @staticmethod
+    def _check_context_mask(context, context_mask):
+        if context_mask is not None and context is None:
+            raise ValueError("context_mask: it masks the context of cross-attention, so it has no effect without "
+                             "context=; pass mask= for the tokens of x")
+
     def forward(
         self,
         x: torch.Tensor,
@@ -146,6 +155,7 @@ class RotaryLinearAttention(HeadProjections):
                 the queries only.
         """
         self._check(x, context, cu_seqlens, initial_state, output_final_state)
+        self._check_context_mask(context, context_mask)
         q, k, v = self._qkv(x, context)
         B, N = x.shape[:2]
         if self.position == "rope_pre":  # RoPE on q and k, at the positions the op would use
@@ -165,10 +175,13 @@ class RotaryLinearAttention(HeadProjections):
         if context is not None:  # context_mask alone masks the context keys; mask is the queries'
             key_mask = context_mask if context_mask is not None else torch.ones(
                 context.shape[:2], dtype=torch.bool, device=context.device)
+        rotary = self.position in ("rope", "rope_norm")
+        pos = dict(offset=offset, base=self.base) if rotary else {}  # the op uses them only with RoPE
+        if self.position == "none":  # no positions here, but a bad offset is an error as in the other variants
+            check_offset(offset, rows=B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, N)))
         res = rotary_linear_attention(
-            q, k, v, causal=self.causal, rotary=self.position in ("rope", "rope_norm"), offset=offset, base=self.base,
-            projection=projection, mask=mask, key_mask=key_mask,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+            q, k, v, causal=self.causal, rotary=rotary, projection=projection, mask=mask, key_mask=key_mask,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state, **pos,
         )
         out, state = res if output_final_state else (res, None)
         out = self._project_out(self._renormalise(out), x)
@@ -179,8 +192,9 @@ class RotaryLinearAttention(HeadProjections):
         per-row positions) -> (`[B, dim]`, new state). O(1) in the context length."""
         if not self.causal:
             raise ValueError("step: a bidirectional layer cannot decode token by token")
-        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2:
-            raise ValueError(f"x_t must have shape [B, dim], got {list(getattr(x_t, 'shape', []))}")
+        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or not x_t.is_floating_point():
+            raise ValueError(f"x_t must be a floating-point tensor [B, dim], got {getattr(x_t, 'dtype', type(x_t))} "
+                             f"{list(getattr(x_t, 'shape', []))}")
         position = check_offset(position, "position", rows=x_t.shape[0])
         q, k, v = (t[:, :, 0] for t in self._qkv(x_t.unsqueeze(1), None))  # (B, H, d)
         if self.position == "rope_pre":
@@ -189,8 +203,9 @@ class RotaryLinearAttention(HeadProjections):
             q = apply_rotary(q.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
             k = apply_rotary(k.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
         q, k, projection = self._op_inputs(q, k)
+        rotary = self.position in ("rope", "rope_norm")
         out, state = rotary_linear_attention_step(
-            q, k, self._ones_column(v), state, position, rotary=self.position in ("rope", "rope_norm"),
-            base=self.base, projection=projection,
+            q, k, self._ones_column(v), state, position, rotary=rotary, projection=projection,
+            **(dict(base=self.base) if rotary else {}),
         )
         return self._project_out(self._renormalise(out).unsqueeze(2), x_t).squeeze(1), state

@@ -178,15 +178,20 @@ def favor_projection(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def favor_inputs(x: torch.Tensor, *, is_query: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """`[..., d]` -> x' = x d^(-1/4) augmented for ``favor_projection``: `[..., d+1]` / `[..., d+2]`.
 
-    ``key_mask`` (broadcastable to `x.shape[:-1]`, 0 = masked): a masked key's -|k'|^2/2 column
-    holds -1e30, so ``favor_exp_`` gives it features of exactly 0 (no pass over the features)."""
+    ``key_mask`` (broadcastable to `x.shape[:-1]`, 0 = padding), for queries or keys: a padded
+    token's x' is 0 (selected: whatever it held, NaN included, is gone), and a padded key's
+    -|k'|^2/2 column holds -1e30, so ``favor_exp_`` gives it features of exactly 0 (no pass over
+    the features)."""
     xs = x * x.shape[-1] ** -0.25
+    pad = None if key_mask is None else key_mask.eq(0).unsqueeze(-1)
+    if pad is not None:
+        xs.masked_fill_(pad, 0.0)
     ones = xs.new_ones(xs.shape[:-1] + (1,))
     if is_query:
         return torch.cat((xs, ones), dim=-1)
     half_sq = -0.5 * (xs * xs).sum(-1, keepdim=True)
-    if key_mask is not None:
-        half_sq = half_sq - key_mask.eq(0).unsqueeze(-1).to(xs.dtype) * 1e30
+    if pad is not None:
+        half_sq = half_sq - pad.to(xs.dtype) * 1e30
     return torch.cat((xs, half_sq, ones), dim=-1)
 
 

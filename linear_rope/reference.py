@@ -72,7 +72,7 @@ def layer_ref(layer, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
         q = q / q.pow(2).sum(-1, keepdim=True).sqrt() * s
         k = k / k.pow(2).sum(-1, keepdim=True).sqrt() * s
     if layer.position == "rope_pre":
-        q, k = apply_rotary_ref(q, offset=offset), apply_rotary_ref(k, offset=offset)
+        q, k = apply_rotary_ref(q, offset=offset, base=layer.base), apply_rotary_ref(k, offset=offset, base=layer.base)
     kind = layer.features.kind
     if kind == "favor":
         fq, fk = favor_features_ref(q, layer.features.projection), favor_features_ref(k, layer.features.projection)
@@ -85,7 +85,8 @@ def layer_ref(layer, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
         w = eq19_weights(fq, fk, causal=layer.causal, rotary=True, offset=offset, base=layer.base)
         out = (w / w.sum(-1, keepdim=True).clamp_min(ROW_SUM_FLOOR)) @ v
     else:
-        out = naive_rotary_linear_attention(fq, fk, v, causal=layer.causal, rotary=rotary, offset=offset)
+        pos = dict(offset=offset, base=layer.base) if rotary else {}
+        out = naive_rotary_linear_attention(fq, fk, v, causal=layer.causal, rotary=rotary, **pos)
     out = out.transpose(1, 2).reshape(B, N, H * D)
     return out @ layer.to_out.weight.t() + layer.to_out.bias
 

@@ -9,31 +9,112 @@ Position ``p`` rotates the pair ``(x[2i], x[2i+1])`` of a ``D``-dim vector by th
 This is the pairing of the paper and of performer-pytorch's ``rotate_every_two``; it is *not*
 the "half-split" pairing (i, i + D/2) used by GPT-NeoX / Llama.
 
-Angles are formed in float64 (``p * theta`` loses digits in float32 once ``p`` is in the
-thousands), and the cos/sin tables are kept in float32 or wider whatever the input dtype.
+Positions are integers, at most ``MAX_POSITION`` = 2**62 - 1 (a ValueError beyond). The angle
+``p * theta_i`` is reduced modulo 2 pi exactly before its cos and sin are taken
+(``rope_turns``): a float64 product alone is off by ``p * 2**-53`` radians (a whole radian
+at p = 2**53), so every position up to the bound gets its angle to about 1e-15 radians, as
+position 0 does. The cos/sin tables are kept in float32 or wider whatever the input dtype.
 """
 from __future__ import annotations
 
+import functools
+from decimal import Decimal
+from fractions import Fraction
+
 import torch
 
-__all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "token_positions"]
+from .checks import check_base, values
+
+__all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "token_positions", "MAX_POSITION",
+           "rope_thetas", "rope_turns", "check_last_position"]
+
+MAX_POSITION = 2**62 - 1  # the largest position: offset + N stays in int64, angles stay exact
+PI = Fraction(Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640628"))
+_LIMB = 21  # bits per limb: a product of two limbs (< 2**42), and three such summed, are exact in float64
+
+
+def rope_thetas(dim: int, base: float) -> list[float]:
+    """theta_i = base ** (-2i / dim), i < dim / 2, as float64: the one definition of the frequencies."""
+    return [base ** (-2.0 * i / dim) for i in range(dim // 2)]
+
+
+@functools.lru_cache(maxsize=64)
+def _turn_limbs(dim: int, base: float) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """frac(theta_i / 2 pi) to 126 bits, c_1..c_6 (21-bit limbs, weights 2**-21k), folded for
+    the position limbs j = 0, 1, 2 of ``rope_turns``: a_j = c_(j+1) 2**-21 (exact) and
+    b_j = sum_(k >= j+2) c_k 2**-21(k-j) (rounded). Returns (a `[3][dim/2]`, b `[3][dim/2]`)."""
+    cs = []
+    for t in rope_thetas(dim, base):
+        u = Fraction(t) / (2 * PI)
+        U = round((u - (u.numerator // u.denominator)) * 2 ** (6 * _LIMB)) % 2 ** (6 * _LIMB)
+        cs.append([0] + [(U >> (6 * _LIMB - _LIMB * k)) & ((1 << _LIMB) - 1) for k in range(1, 7)])
+    a = tuple(tuple(c[j + 1] * 2.0**-_LIMB for c in cs) for j in range(3))
+    b = tuple(tuple(float(sum(Fraction(c[k], 2 ** (_LIMB * (k - j))) for k in range(j + 2, 7))) for c in cs)
+              for j in range(3))
+    return a, b
+
+
+@torch.compiler.assume_constant_result
+def _limbs(dim: int, base: float):
+    """``_turn_limbs``, which torch.compile takes as the constant it is (no tracing of Fractions)."""
+    return _turn_limbs(dim, base)
+
+
+def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """frac(p * theta_i / 2 pi) `[..., dim / 2]` in float64 for integer positions `[...]`, within
+    about 2**-51 turns of the exact value for every |p| < 2**63.
+
+    p = sum_j P_j 2**21j (three signed 21-bit limbs) and frac(theta / 2 pi) = sum_k c_k 2**-21k.
+    P_j 2**21j times c_k is a whole number of turns for k <= j; what is left of limb j is
+    P_j a_j + P_j b_j (see ``_turn_limbs``). Each P_j a_j is a multiple of 2**-21 below 2**21,
+    so their sum is exact in float64 (in any order, as a GEMM), and so is its fraction; the
+    P_j b_j are below 1 each and add a rounding of 2**-53 each.
+    """
+    dim = int(dim)  # (a 0-dim tensor under torch.jit.trace)
+    a, b = (torch.tensor(t, dtype=torch.float64, device=positions.device) for t in _limbs(dim, float(base)))
+    p = positions.long().reshape(-1, 1)
+    mag, sign = p.abs(), torch.where(p < 0, -1.0, 1.0).to(torch.float64)
+    limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64) * sign
+    turns = limbs @ a  # (positions, dim/2): exact
+    turns -= turns.floor()
+    turns = torch.addmm(turns, limbs, b)
+    turns -= turns.floor()
+    return turns.view(*positions.shape, dim // 2)
 
 
 def check_offset(offset, name: str = "offset", rows: int | None = None):
-    """An int >= 0, or (when ``rows`` is given) also a LongTensor `[rows]` of per-row values >= 0."""
+    """An int in [0, MAX_POSITION], or (when ``rows`` is given) also an integer tensor `[rows]`
+    of per-row values in that range (returned as long)."""
     if isinstance(offset, torch.Tensor) and rows is not None:
         if offset.dtype not in (torch.int32, torch.int64) or offset.shape != (rows,):
             raise ValueError(f"{name} must be an int or an integer tensor [{rows}], got "
                              f"{offset.dtype} {tuple(offset.shape)}")
-        if bool((offset < 0).any()):
-            raise ValueError(f"{name} must be non-negative, got {offset.tolist()}")
+        if offset.device.type == "meta":
+            raise ValueError(f"{name}: a meta tensor has no values to read")
+        vals = values(offset)
+        if vals.numel() and not (bool((vals >= 0).all()) and bool((vals <= MAX_POSITION).all())):
+            raise ValueError(f"{name} must lie in [0, MAX_POSITION = 2**62 - 1], got {vals.tolist()}")
         return offset.long()
     if isinstance(offset, bool) or not isinstance(offset, int):
         kind = "an int or an integer tensor [B]" if rows is not None else "a non-negative int"
         raise ValueError(f"{name} must be {kind}, got {offset!r}")
     if offset < 0:
         raise ValueError(f"{name} must be non-negative, got {offset}")
+    if offset > MAX_POSITION:
+        raise ValueError(f"{name} {offset} is past MAX_POSITION = 2**62 - 1, the largest position whose RoPE "
+                         "angle is formed exactly")
     return offset
+
+
+def check_last_position(offset, n: int, name: str = "offset") -> None:
+    """ValueError where positions ``offset .. offset + n - 1`` (per row, for a tensor offset
+    already checked) run past ``MAX_POSITION``."""
+    if n <= 0:
+        return
+    top = offset if isinstance(offset, int) else (int(values(offset).max()) if offset.numel() else 0)
+    if top + n - 1 > MAX_POSITION:
+        raise ValueError(f"{name}: positions run to {top} + {n - 1} = {top + n - 1}, past MAX_POSITION = 2**62 - 1, "
+                         "the largest position whose RoPE angle is formed exactly")
 
 
 def token_positions(offset, n: int, mask: torch.Tensor | None = None, device=None,
@@ -83,19 +164,21 @@ def rotary_tables(
     explicit integer ``positions`` `[..., n]` (then ``offset`` is ignored).
 
     Returns two tensors of shape `[n, dim // 2]` (`[..., n, dim // 2]` with ``positions``) in
-    ``table_dtype(dtype)`` (float32 or wider).
+    ``table_dtype(dtype)`` (float32 or wider). Positions are integers; with ``offset`` they must
+    stay within ``MAX_POSITION``; every angle is reduced modulo 2 pi exactly (``rope_turns``).
     """
     if dim % 2:
         raise ValueError(f"rotary dim must be even, got {dim}")
+    base = check_base(base)
     if positions is None:
         check_offset(offset)
-        pos = torch.arange(offset, offset + n, dtype=torch.float64, device=device)
+        check_last_position(offset, n)
+        pos = torch.arange(offset, offset + n, dtype=torch.long, device=device)
     else:
-        device = positions.device
-        pos = positions.to(torch.float64)
-    i = torch.arange(0, dim, 2, dtype=torch.float64, device=device)
-    theta = base ** (-i / dim)  # (dim/2,)
-    angle = pos[..., None] * theta  # (..., n, dim/2), exact-ish in float64
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
+        pos = positions
+    angle = rope_turns(pos, dim, base) * (2 * torch.pi)  # (..., n, dim/2) in [0, 2 pi)
     tdt = table_dtype(dtype)
     return angle.cos().to(tdt), angle.sin().to(tdt)
 
@@ -124,7 +207,8 @@ def apply_rotary(
             per row for `[B, H, N, D]`); overrides ``offset``.
 
     Returns:
-        `[..., N, D]` in the dtype of ``x``; angles and cos/sin are computed in float32 or wider.
+        `[..., N, D]` in the dtype of ``x``; angles are reduced modulo 2 pi exactly and cos/sin
+        are computed in float32 or wider.
     """
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., N, D], got {tuple(x.shape)}")

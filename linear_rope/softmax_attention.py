@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .checks import check_base, check_flag
 from .ops.utils import check_mask
 from .projections import HeadProjections, check_sizes
 from .rotary import apply_rotary, check_offset, token_positions
@@ -40,7 +41,8 @@ class SoftmaxAttention(HeadProjections):
         check_sizes(dim=dim, heads=heads, dim_head=dim_head)
         if dim_head % 2:
             raise ValueError(f"dim_head: RoPE rotates q and k, so it must be even, got {dim_head}")
-        self.base, self.causal = base, True
+        check_flag("qk_norm", qk_norm)
+        self.base, self.causal = check_base(base), True
         self.position = "softmax"  # as RotaryLinearAttention.position: the analyses read it
         self._init_projections(dim, heads, dim_head, dropout, qk_norm)
 
@@ -70,14 +72,30 @@ class SoftmaxAttention(HeadProjections):
         out = self._project_out(out, x)
         return (out, KVCache(k, v, key_mask)) if output_final_state else out
 
+    def _check_cache(self, state, B: int, x_t: torch.Tensor) -> None:
+        """The cache of this layer and batch: k, v `[B, H, T, d]` on x_t's device, key_mask `[B, T]`."""
+        if state is None:
+            return
+        if not isinstance(state, KVCache) or not all(isinstance(t, torch.Tensor) for t in state):
+            raise ValueError(f"state must be a KVCache or None, got {type(state).__name__}")
+        k, v, real = state
+        want = (B, self.heads, k.shape[2] if k.dim() == 4 else -1, self.dim_head)
+        if k.dim() != 4 or tuple(k.shape) != want or tuple(v.shape) != want or tuple(real.shape) != (B, k.shape[2]) \
+                or real.dtype != torch.bool:
+            raise ValueError(f"state: a KVCache of k, v [B={B}, H={self.heads}, T, d={self.dim_head}] and a bool "
+                             f"key_mask [B, T] is needed, got k {list(k.shape)}, v {list(v.shape)}, key_mask "
+                             f"{real.dtype} {list(real.shape)}")
+        if k.device != x_t.device:
+            raise ValueError(f"state is on {k.device}, x_t on {x_t.device}")
+
     def step(self, x_t: torch.Tensor, state: KVCache | None, position: int | torch.Tensor):
         """Decode one token: x_t `[B, dim]` at ``position`` (an int or a LongTensor `[B]`) ->
         (`[B, dim]`, the cache with this token appended)."""
-        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2:
-            raise ValueError(f"x_t must have shape [B, dim], got {list(getattr(x_t, 'shape', []))}")
-        if state is not None and not isinstance(state, KVCache):
-            raise ValueError(f"state must be a KVCache or None, got {type(state).__name__}")
+        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or not x_t.is_floating_point():
+            raise ValueError(f"x_t must be a floating-point tensor [B, dim], got {getattr(x_t, 'dtype', type(x_t))} "
+                             f"{list(getattr(x_t, 'shape', []))}")
         B = x_t.shape[0]
+        self._check_cache(state, B, x_t)
         position = check_offset(position, "position", rows=B)
         q, k, v = self._qkv(x_t.unsqueeze(1))  # (B, H, 1, d)
         pos = position.view(-1, 1, 1).to(x_t.device) if isinstance(position, torch.Tensor) else None

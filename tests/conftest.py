@@ -1,7 +1,9 @@
-"""Fixtures shared by the training tests (helpers live in helpers.py)."""
+"""Fixtures shared by the training tests (helpers live in helpers.py), and uninitialised memory
+filled with NaN for the whole test run (see ``poison_uninitialised``)."""
 from __future__ import annotations
 
 import bz2
+import functools
 import os
 from pathlib import Path
 
@@ -15,6 +17,52 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import SAMPLE  # noqa: E402
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill a fresh, uninitialised tensor with what no correct code reads: NaN (floating point,
+    complex), the largest value (integers: an index past every end); bools are left as they are.
+    Not while torch.compile traces: an in-place fill of a fresh buffer there is a mutation that
+    Inductor's functional graphs refuse (the compiled code allocates its own buffers)."""
+    if torch.compiler.is_compiling():
+        return t
+    with torch.no_grad():
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+    return t
+
+
+def _poisoning(alloc):
+    @functools.wraps(alloc)
+    def wrapped(*args, **kwargs):
+        return _poison(alloc(*args, **kwargs))
+
+    wrapped.poisons = True
+    return wrapped
+
+
+def poison_uninitialised() -> None:
+    """Every uninitialised allocation of this test process is filled with NaN: ``torch.empty``,
+    ``empty_like``, ``empty_strided``, ``Tensor.new_empty`` / ``new_empty_strided`` (the package
+    calls them through ``torch.`` and the tensor, never imported by name: each call sees the
+    wrapper), and the CPU buffer pool of ``linear_rope.ops.workspace``, whose buffers come back
+    holding an earlier call's values. A buffer that is read before it is written then shows up
+    as NaN in an output or a gradient instead of passing with stale or zero memory. (Tests that
+    start a subprocess, such as the CLI runs, are not covered.)"""
+    if getattr(torch.empty, "poisons", False):
+        return
+    for name in ("empty", "empty_like", "empty_strided"):
+        setattr(torch, name, _poisoning(getattr(torch, name)))
+    for name in ("new_empty", "new_empty_strided"):
+        setattr(torch.Tensor, name, _poisoning(getattr(torch.Tensor, name)))
+    from linear_rope.ops import workspace
+
+    workspace.empty = _poisoning(workspace.empty)
+
+
+poison_uninitialised()
 
 # In-process training runs keep the test process's threads (no idle-core probe at every start;
 # runtime.choose_threads is tested on its own). Subprocesses get the same from helpers.ENV.

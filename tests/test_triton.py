@@ -105,6 +105,8 @@ def _check(dtype, N, tol, *, fused=True, rotary=True, seed=0, ref_dtype=torch.fl
         z0 = torch.rand(B, H, m, generator=gen).to(dtype).requires_grad_()
         leaves += [S0, z0]
     kw = dict(kw, rotary=rotary, projection=w)
+    if not rotary:
+        kw.pop("offset", None)  # positions only enter through RoPE: the op refuses an offset without it
     if state is True:
         kw["initial_state"] = LinearAttentionState(S0, z0)
     res = rotary_linear_attention(q, k, v, **kw)
@@ -154,6 +156,31 @@ def test_mask_and_row_offsets():
     mask[1, 61:] = False
     _check(torch.float64, 70, 1e-10, B=2, offset=torch.tensor([0, 1000]), mask=mask, initial_state=True,
            output_final_state=True)
+
+
+@pytest.mark.parametrize("fused, rotary", PATHS[:1] + PATHS[3:])
+def test_padding_is_selected_never_multiplied(fused, rotary):
+    """NaN in the masked positions of q, k, v leaves every output, the final state and every
+    gradient exactly what they are with zeros there (the kernels used to multiply by the key mask:
+    0 * NaN is NaN)."""
+    (q, k, v), w = _inputs(torch.float64, 37, fused=fused, B=2, H=1, seed=3)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[0, :9] = False  # two chunks of 32: padding in both
+    mask[1, 30:] = False
+    mask[1, 20] = False
+    ups = None
+
+    def run(fill):
+        nonlocal ups
+        xs = [t.detach().clone().masked_fill_(~mask[:, None, :, None], fill).requires_grad_() for t in (q, k, v)]
+        out, st = rotary_linear_attention(*xs, projection=w, mask=mask, rotary=rotary, output_final_state=True)
+        outs = (out, st.S, st.z)
+        ups = ups or [torch.randn(t.shape, generator=torch.Generator().manual_seed(4), dtype=t.dtype) for t in outs]
+        return [*outs, *torch.autograd.grad(sum((t * u).sum() for t, u in zip(outs, ups)), xs)]
+
+    clean, dirty = run(0.0), run(float("nan"))
+    for a, b in zip(clean, dirty):
+        assert torch.isfinite(b).all() and torch.equal(a, b)
 
 
 def test_float32_at_512():

@@ -25,22 +25,32 @@ O(N) time and memory:
   RoPE is one complex multiplication per tensor. Their gradient ignores the shifts, which
   cancel in the ratio.
 * **Bidirectional**: ``R_t phi(q_t) . (sum_n R_n phi(k_n) v_n^T) / phi(q_t) . sum_n phi(k_n)``.
-* **Keywords.** ``mask`` zeroes masked keys' features (so they add to neither sum) and masked
-  queries' outputs; positions count real tokens only. ``cu_seqlens`` (causal) runs all packed
-  documents in one call: each is padded to whole chunks, and the prefix / suffix sums restart
-  at its first chunk from its own initial state.
+* **Keywords.** ``mask``: padded tokens' q, k, v are replaced by 0 (selected, never multiplied:
+  0 * NaN is NaN; on the causal path block by block, in the copies the walk makes anyway),
+  masked keys' features are 0 (so they add to neither sum) and masked queries output 0;
+  positions count real tokens only. ``cu_seqlens`` (causal) runs all
+  packed documents in one call: each is padded to whole chunks, and the prefix / suffix sums
+  restart at its first chunk from its own initial state; an empty document keeps its state.
+* **Transforms.** Under ``torch.func`` (``vmap``, ``grad``, ``jacrev``, ``jvp``, ``jacfwd``) and
+  with forward-mode AD the causal path is ``composite.composite_causal``, the same chunk form in
+  plain differentiable ops (the custom op's backward is hand-written, and it has no forward-mode
+  rule); the bidirectional path is plain ops already.
 
 Inside, everything is float32 or wider with autocast off; the result has v's dtype.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from ..checks import is_compiling, is_transformed
 from ..features import favor_features
-from .triton.dispatch import KernelError, backend, fallback, record, should_use_triton
+from .triton.dispatch import ENV_VAR, KernelError, backend, fallback, record, should_use_triton
 from ..rotary import rotary_tables, rotate_with_tables, table_dtype
 from .chunk_op import chunk_causal
+from .composite import composite_causal
 from .layout import OpConfig
 from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
@@ -68,8 +78,8 @@ def _bidirectional(q, k, v, w, a, cfg: OpConfig):
     """Closed form: every query sees every (real) key of its row."""
     fq = q if w is None else favor_features(q, w, is_query=True)
     fk = k if w is None else favor_features(k, w, is_query=False)
-    if a.kmask is not None:
-        fk = fk * a.kmask[:, None, :, None]
+    if a.kmask is not None:  # padded keys add nothing: selected away, never multiplied by 0
+        fk = torch.where(a.kmask[:, None, :, None], fk, 0)
     rq, rk = fq, fk
     if cfg.rotary:
         tables = rotary_tables(q.shape[2], a.m, offset=cfg.offset, base=cfg.base, dtype=v.dtype, device=v.device,
@@ -82,9 +92,9 @@ def _bidirectional(q, k, v, w, a, cfg: OpConfig):
     if a.state is not None:
         S, z = S + a.state.S.to(S.dtype), z + a.state.z.to(z.dtype)
     den = (fq * z.unsqueeze(-2)).sum(-1)
-    out = (rq @ S) / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
+    out = (rq @ S) / torch.where(den <= 0, 1, den).unsqueeze(-1)  # as naive: NaN stays NaN
     if a.qmask is not None:
-        out = out * a.qmask[:, None, :, None]
+        out = torch.where(a.qmask[:, None, :, None], out, 0)
     return out, S, z
 
 
@@ -116,8 +126,8 @@ def rotary_linear_attention(
     initial_state: LinearAttentionState | None = None,
     output_final_state: bool = False,
     allow_negative: bool = False,
-    chunk_size: int = CHUNK,
-    block_size: int = BLOCK,
+    chunk_size: int | None = None,
+    block_size: int | None = None,
 ):
     """Linear attention with RoPE in the numerator only (RoFormer Eq. 19), fast path.
 
@@ -128,93 +138,131 @@ def rotary_linear_attention(
         causal: token t sees tokens n <= t; otherwise every token (bidirectional).
         rotary: RoPE on the features in the numerator (Eq. 19); False gives Eq. 18.
         offset: position of token 0: an int, or a LongTensor `[B]` per row (`[D]` per document).
-        base: RoPE base.
-        projection: `[m, d]` FAVOR+ projection (``FavorFeatures.projection``); a fixed random
-            draw, so it gets no gradient.
+            Positions are integers up to ``linear_rope.rotary.MAX_POSITION`` = 2**62 - 1 (a
+            ValueError beyond); every angle is reduced modulo 2 pi exactly, so position 2**62 - 1
+            is as accurate as position 0.
+        base: RoPE base, a finite number > 0.
+        projection: `[m, d]` FAVOR+ projection (``FavorFeatures.projection``), m >= 1; a fixed
+            random draw, so it gets no gradient (in either AD mode).
         mask: `[B, N]` bool, True = real token. Masked keys add nothing to the numerator or the
             denominator; masked queries output 0. A token's position is ``offset`` plus the
             number of real tokens before it, so a padded row (left or right) gives what the row
-            gives alone.
+            gives alone. Padding is selected away, never multiplied by 0: whatever a masked
+            token holds (NaN, inf, huge), the real tokens' outputs, states and gradients are
+            exactly those of the same call with zeros there.
         key_mask: `[B, M]` bool, for cross-attention: k, v of length M (any M) from another
             sequence; needs ``causal=False, rotary=False``. In cross-attention (``key_mask``
             given, or M != N) ``key_mask`` alone masks the keys (None: all real) and ``mask``
             the queries only; k of q's length without ``key_mask`` is self-attention, where
             ``mask`` masks both.
         cu_seqlens: int32 `[D+1]` cumulative lengths of D documents packed in one row
-            (B = 1): each gets what it gets alone (positions and state restart).
+            (B = 1), never decreasing (an empty document keeps its state): each gets what it
+            gets alone (positions, state and feature scale restart).
         initial_state: ``LinearAttentionState`` of the tokens before these (`[B, ...]`, or
-            `[D, ...]` with ``cu_seqlens``), e.g. from ``output_final_state``.
+            `[D, ...]` with ``cu_seqlens``), e.g. from ``output_final_state``; S and z finite.
         output_final_state: also return the state after the last token.
         allow_negative: skip the check that feature inputs are >= 0 (without ``projection``).
             The check holds in eager (ValueError) and under ``torch.compile`` (the same message
             from ``torch._assert_async``, a RuntimeError when the graph runs).
         chunk_size, block_size: the chunk of the masked products and the block walked at once
-            (memory is O(block_size * m) plus O(N / block_size * m * e)); any values work.
+            by the causal torch path (memory is O(block_size * m) plus O(N / block_size * m * e));
+            any values work. Default ``CHUNK`` and ``BLOCK``.
+
+    A keyword that would have no effect in the call is refused (ValueError naming it), not
+    dropped: ``offset`` or a ``base`` other than the default with ``rotary=False``,
+    ``allow_negative`` with ``projection``, ``chunk_size`` / ``block_size`` with
+    ``causal=False`` or where the Triton kernels are forced (``LINEAR_ROPE_BACKEND=triton``; on
+    ``auto`` they keep the call on the torch path). Flags must be True or False.
 
     Returns:
         `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``.
-        Double backward is not supported (one-line RuntimeError); nor is ``torch.jit.trace`` of
-        the causal path (use ``torch.compile``). B = 0, H = 0 or e = 0 give empty results.
+        Double backward of the fast path is not supported (one-line RuntimeError; under
+        ``torch.func`` the composite path below is differentiable to any order); nor is
+        ``torch.jit.trace`` of the causal path (use ``torch.compile``). B = 0, H = 0, N = 0 or
+        e = 0 give empty results (N = 0: the state passes through).
 
     Backends: a causal call takes the fused Triton kernels (``linear_rope.ops.triton``) where the
     tensors are on CUDA, Triton is installed and the kernels take the call; the torch path
     otherwise. ``LINEAR_ROPE_BACKEND=torch|triton|auto`` forces either (``triton`` raises with the
     reason for a call the kernels do not take); ``fla`` forces the fla-core path (``fla_path.py``,
     causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the reason otherwise),
-    which ``auto`` does not pick until a GPU measures it (docs/gpu.md, "Cost model"). Inside ``torch.compile`` the op is the custom op
-    ``linear_rope::chunk_causal`` (the torch path) whatever the backend.
+    which ``auto`` does not pick until a GPU measures it (docs/gpu.md, "Cost model"). Inside
+    ``torch.compile`` the op is the custom op ``linear_rope::chunk_causal`` (the torch path)
+    whatever the backend. Under the ``torch.func`` transforms and forward-mode AD the causal path
+    is ``composite_causal`` (correct tangents, batching and higher derivatives).
 
     Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
-    with its state, and so is this op for finite features anywhere in the float32 range (see
-    ``utils.normalise_scale``); a final state whose key sum overflows is a ValueError.
+    (or packed document) with its state, and so is this op for finite features anywhere in the
+    float32 range (see ``utils.normalise_scale``); a final state whose key sum overflows is a
+    ValueError (a RuntimeError from ``torch._assert_async`` under ``torch.compile``).
     """
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative))
+                   allow_negative=allow_negative, output_final_state=output_final_state))
+    sizes = chunk_size is not None or block_size is not None
     for name, val in (("chunk_size", chunk_size), ("block_size", block_size)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if sizes and not causal:
+        raise ValueError("chunk_size / block_size: the bidirectional closed form walks no chunks, so they have no "
+                         "effect with causal=False; leave them out")
     if causal and torch.jit.is_tracing():
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
-    if backend() == "fla" and not torch.compiler.is_compiling():  # forced: fla-core's kernels or an error
+    transformed = is_transformed(q, k, v, *(a.state or ()))
+    if backend() == "fla" and not is_compiling() and not transformed:  # forced: fla-core's kernels or an error
         return _forced_fla(q, k, v, dict(causal=causal, rotary=rotary, offset=offset, base=base,
                                          projection=projection, mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens,
                                          initial_state=initial_state, output_final_state=output_final_state,
                                          allow_negative=allow_negative))
-    if causal and not torch.compiler.is_compiling():
+    if causal and not is_compiling() and not transformed:
         kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
                   key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                   output_final_state=output_final_state, allow_negative=allow_negative)
         if should_use_triton(q, k, v, **kw):  # CUDA + Triton (or LINEAR_ROPE_BACKEND=triton)
-            from .triton import rotary_linear_attention as triton_op
+            if not sizes:
+                from .triton import rotary_linear_attention as triton_op
 
-            try:
-                return triton_op(q, k, v, **kw)
-            except KernelError as e:  # a kernel failed to build or launch: the torch path, said once
-                if backend() == "triton":
-                    raise
-                fallback(str(e))
-                record(f"torch path ({e})", replace=True)
+                try:
+                    return triton_op(q, k, v, **kw)
+                except KernelError as e:  # a kernel failed to build or launch: the torch path, said once
+                    if backend() == "triton":
+                        raise
+                    fallback(str(e))
+                    record(f"torch path ({e})", replace=True)
+            elif backend() == "triton":
+                raise ValueError(f"chunk_size / block_size: the Triton kernels pick their own chunk, so they have no "
+                                 f"effect with {ENV_VAR}=triton; leave them out, or set {ENV_VAR}=torch")
+            else:  # auto: explicit sizes keep the call on the torch path, where they apply
+                record("torch path (chunk_size / block_size given: they apply on the torch path)", replace=True)
     out_dtype = v.dtype
     cdt = table_dtype(q.dtype)
     B, H, N, e = q.shape[:3] + v.shape[-1:]
-    if B * H == 0:
+    if B * H == 0 or N == 0:
         return _empty(q, k, v, a, cdt, output_final_state)
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+        if not causal or transformed:  # (the custom op selects padding away block by block, in copies it makes anyway)
+            q, k, v = _drop_padding(q, k, v, a)
         state, sk = a.state, None
         if projection is None:  # FAVOR+ features inside are stabilised already
-            q, k, state, sk = normalise_scale(q, k, a.kmask, state)
+            q, k, state, sk = normalise_scale(q, k, a.kmask, state, a.docs)
         if e == 0:  # no value columns: one zero column keeps every path's shapes, z stays right
             v = F.pad(v, (0, 1))
             state = None if state is None else LinearAttentionState(F.pad(state.S, (0, 1)), state.z)
-        a = a._replace(state=state)
+        full = a._replace(state=state)
+        a = _without_empty_documents(full)
         w = None if projection is None else projection.detach().to(cdt)
         cu = () if a.docs is None else (0, *(end for _, end in a.docs))
-        cfg = OpConfig(chunk_size, block_size, a.offset if isinstance(a.offset, int) else 0, rotary, cu, float(base))
-        path = _causal if causal else _bidirectional if a.docs is None else _documents
+        cfg = OpConfig(chunk_size or CHUNK, block_size or BLOCK, a.offset if isinstance(a.offset, int) else 0, rotary,
+                       cu, float(base))
+        if causal:
+            path = composite_causal if transformed else _causal
+        else:
+            path = _bidirectional if a.docs is None else _documents
         out, S, z = path(q, k, v, w, a, cfg)
+        if a is not full:
+            S, z = _with_empty_documents(S, z, full, v)
     out = out[..., :e].to(out_dtype)
     if not output_final_state:
         return out
@@ -234,11 +282,51 @@ def _forced_fla(q, k, v, kw):
     return fla_path.fla_rotary_linear_attention(q, k, v, **kw)
 
 
+def _drop_padding(q, k, v, a):
+    """Padded tokens' q, k, v replaced by 0: selected, never multiplied (0 * NaN is NaN), so that
+    whatever they hold, the real tokens' outputs, states and gradients are what they are
+    without it (the paths then mask what the zeros would still add)."""
+    if a.qmask is not None:
+        q = torch.where(a.qmask[:, None, :, None], q, 0)
+    if a.kmask is not None:
+        k, v = (torch.where(a.kmask[:, None, :, None], t, 0) for t in (k, v))
+    return q, k, v
+
+
+def _without_empty_documents(a):
+    """The arguments without the packed documents of no tokens (and their state rows); ``a``
+    itself where there are none."""
+    if a.docs is None or all(e > s for s, e in a.docs):
+        return a
+    keep = [d for d, (s, e) in enumerate(a.docs) if e > s]
+    st = a.state
+    if st is not None:
+        st = LinearAttentionState(st.S[keep], st.z[keep])
+    return a._replace(docs=[a.docs[d] for d in keep], state=st)
+
+
+def _with_empty_documents(S, z, full, like):
+    """The final states of every document of ``full``: a computed one, or, for an empty document,
+    its initial state (zeros without one)."""
+    Ss, zs, i = [], [], 0
+    m, e = S.shape[2], S.shape[3]
+    for d, (s, t) in enumerate(full.docs):
+        if t > s:
+            Ss.append(S[i : i + 1]), zs.append(z[i : i + 1])
+            i += 1
+        elif full.state is not None:
+            Ss.append(full.state.S[d : d + 1].to(S.dtype)), zs.append(full.state.z[d : d + 1].to(z.dtype))
+        else:
+            Ss.append(like.new_zeros(1, S.shape[1], m, e)), zs.append(like.new_zeros(1, S.shape[1], m))
+    return torch.cat(Ss), torch.cat(zs)
+
+
 def _empty(q, k, v, a, cdt, output_final_state):
-    """B = 0 or H = 0: empty outputs of the right shapes, as ``nn.Linear`` gives, still connected
-    to q, k, v (and the state), so that their gradients come back empty too."""
+    """B = 0, H = 0 or N = 0: empty outputs of the right shapes, as ``nn.Linear`` gives, still
+    connected to q, k, v (and the state), so that their gradients come back (empty, or the
+    state's own: with no tokens the final state is the initial one)."""
     B, H, N, e = q.shape[:3] + v.shape[-1:]
-    link = (q.sum() + k.sum() + v.sum()).to(cdt)  # 0: every input is empty
+    link = sum(t[..., :0].sum() for t in (q, k, v)).to(cdt)  # exactly 0, and connected to q, k, v
     out = v.new_zeros(B, H, N, e) + link.to(v.dtype)
     if not output_final_state:
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_fwd import block_features, block_rot, block_slices, bmm_batch, chunk_major, prefix_, rotate, safe_den
+from .chunk_fwd import block_features, block_rot, block_slices, bmm_batch, chunk_major, prefix_, rotate, safe_den, select
 
 __all__ = ["causal_backward"]
 
@@ -73,8 +73,8 @@ def block_backward(walk, blk, grads, state0, sums, kept, resets):
     m, nc = state0[0].shape[1], t // C
     kmc = None if km is None else chunk_major(km.unsqueeze(-1), C).squeeze(-1)
     gc = chunk_major(g, C)
-    if kmc is not None:
-        gc = gc * kmc.unsqueeze(-1)
+    if kmc is not None:  # padded outputs pass no gradient, whatever it holds (selected, not multiplied)
+        gc = torch.where(kmc.unsqueeze(-1) > 0, gc, 0)
     dnum = (gc / safe_den(den).unsqueeze(-1)).contiguous()  # (nc, BH, C, e)
     dden = (gc * chunk_major(out, C)).sum(-1).div_(safe_den(den)).neg_().mul_(den > 0).contiguous()  # (nc, BH, C)
     if "phq" in kept:
@@ -85,6 +85,8 @@ def block_backward(walk, blk, grads, state0, sums, kept, resets):
     if rot is None:  # Eq. 18: the denominator is the ones column of v, as in the forward
         va = v.new_empty(nc, BH, C, e + 1)
         va[..., :e] = chunk_major(v, C)
+        if kmc is not None:  # padded values selected away, as in the forward
+            va[..., :e].masked_fill_(kmc.unsqueeze(-1) == 0, 0.0)
         va[..., e] = 1.0
         dna = torch.cat((dnum, dden.unsqueeze(-1)), -1)  # (nc, BH, C, e+1)
         cat = lambda a, b: torch.cat((a, b.unsqueeze(-1)), -1)  # noqa: E731
@@ -96,7 +98,7 @@ def block_backward(walk, blk, grads, state0, sums, kept, resets):
         dv = torch.bmm(bmm_batch(phk), bmm_batch(Gb[1:, ..., :e])).baddbmm_(A.transpose(1, 2), bmm_batch(dnum))
         G, Zq = Gb[0, ..., :e], Gb[0, ..., e]
     else:
-        vc = chunk_major(v, C).contiguous()
+        vc = select(chunk_major(v, C), kmc)
         # denominator den_n = phq_n . (z0 + sum_{j <= n} phk_j), chunked
         zb = kept.get("z")
         if zb is None:
@@ -139,6 +141,8 @@ def _through_features(walk, kc, feats, dfeats, kmc):
     scale = d**-0.25
     da, db = dphq.mul_(phq), dphk.mul_(phk)
     xks = kc * scale  # k'
+    if kmc is not None:  # a padded key's k' is 0, as in the forward (selected, whatever k held)
+        xks.masked_fill_(kmc.unsqueeze(-1) == 0, 0.0)
     dq = (da @ w).mul_(scale)
     dk = (db @ w).sub_(xks * db.sum(-1, keepdim=True)).mul_(scale)
     return dq, dk

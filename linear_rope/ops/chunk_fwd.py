@@ -26,7 +26,7 @@ from ..features import favor_exp_, favor_inputs
 from . import workspace
 
 __all__ = ["Walk", "Favor", "KEEP_FEATURES_BYTES", "KEPT", "keep_plan", "causal_forward", "block_features",
-           "chunk_major", "bmm_batch", "rotate", "prefix_", "block_rot", "safe_den"]
+           "chunk_major", "bmm_batch", "rotate", "prefix_", "block_rot", "safe_den", "select"]
 
 # What the forward keeps for the backward (see ``keep_plan``) stays under this size; the rest
 # is recomputed block by block (the memory stays O(block) at any length).
@@ -53,8 +53,9 @@ class Walk(NamedTuple):
 
 
 def safe_den(den):
-    """The divisor for a denominator kept as 0 where it was <= 0 (see ``block_forward``)."""
-    return torch.where(den > 0, den, torch.ones_like(den))
+    """The divisor for a denominator kept as 0 where it was <= 0 (see ``block_forward``); a NaN
+    stays NaN (it is not "<= 0": a NaN input never turns into a finite output)."""
+    return torch.where(den <= 0, 1, den)
 
 
 def chunk_major(x, C):
@@ -115,15 +116,24 @@ def prefix_(buf, resets=None):
     return ends
 
 
+def select(x, kmc):
+    """x `[nc, BH, C, x]` (a chunk-major view) as a contiguous copy, padding (kmc 0) replaced by 0:
+    selected, never multiplied (0 * NaN is NaN), in the copy the layout needs anyway."""
+    if kmc is None:
+        return x.contiguous()
+    return torch.where(kmc.unsqueeze(-1) > 0, x, 0).contiguous()
+
+
 def block_features(walk, q, k, kmc, keep=None):
     """Chunk-major features of one block: q, k `[nc, BH, C, d or m]`, kmc `[nc, BH, C]` 0/1 or
-    None -> phi(q), phi(k) `[nc, BH, C, m]` (masked keys 0), written into ``keep`` {"phq", "phk"}
-    when given."""
+    None -> phi(q), phi(k) `[nc, BH, C, m]` (padded tokens 0: selected, whatever q and k held
+    there), written into ``keep`` {"phq", "phk"} when given."""
     if walk.favor is None:
-        return q.contiguous(), (k if kmc is None else k * kmc.unsqueeze(-1)).contiguous()
+        return select(q, kmc), select(k, kmc)
     keep = keep or {}
     f = walk.favor
-    phq = favor_exp_(torch.matmul(favor_inputs(q, is_query=True), f.wq.t(), out=keep.get("phq")), is_query=True)
+    phq = favor_exp_(torch.matmul(favor_inputs(q, is_query=True, key_mask=kmc), f.wq.t(), out=keep.get("phq")),
+                     is_query=True)
     km = None if kmc is None else kmc.unsqueeze(-1)
     phk = torch.matmul(favor_inputs(k, is_query=False, key_mask=kmc), f.wk.t(), out=keep.get("phk"))
     return phq, favor_exp_(phk, is_query=False, key_mask=km)
@@ -164,6 +174,8 @@ def block_forward(walk, blk, state, keep, resets):
     if rot is None:  # Eq. 18: [S | z] before each chunk, v with a ones column
         va = v.new_empty(nc, BH, C, e + 1)
         va[..., :e] = chunk_major(v, C)
+        if kmc is not None:  # padded values selected away
+            va[..., :e].masked_fill_(kmc.unsqueeze(-1) == 0, 0.0)
         va[..., e] = 1.0
         Sb = keep["S"] if "S" in keep else v.new_empty(nc + 1, BH, m, e + 1)
         _put(Sb[0, ..., :e], S), _put(Sb[0, ..., e], z)
@@ -175,7 +187,7 @@ def block_forward(walk, blk, state, keep, resets):
         num, den = numa[..., :e], numa[..., e]
         S, z = Sb[nc, ..., :e], Sb[nc, ..., e]
     else:
-        vc = chunk_major(v, C).contiguous()
+        vc = select(chunk_major(v, C), kmc)
         zb = keep["z"] if "z" in keep else v.new_empty(nc + 1, BH, m)
         _put(zb[0], z)
         torch.sum(phk, 2, out=zb[1:])
@@ -193,7 +205,7 @@ def block_forward(walk, blk, state, keep, resets):
     # A query that sees no real key (left padding) has num = den = 0: the guard gives 0. As in
     # naive, a denominator <= 0 (relu features with disjoint supports, allow_negative) divides by
     # 1 and passes no gradient to den: den is kept as 0 there, for the backward.
-    den = torch.where(den > 0, den, torch.zeros_like(den))
+    den = torch.where(den <= 0, 0, den)
     out = num / safe_den(den).unsqueeze(-1)
     if kmc is not None:
         out *= kmc.unsqueeze(-1)

@@ -10,15 +10,23 @@ token (``mask`` / ``key_mask``), and n <= t when ``causal``. An ``initial_state`
 ``(R_{p_t} phi(q_t))^T S0`` to the numerator and ``phi(q_t)^T z0`` to the denominator.
 
 This file builds the explicit `[N, M]` weights, is written for reading, not speed, and shares
-no arithmetic with the fast paths: RoPE goes through complex numbers here, real tables there.
+no arithmetic with the fast paths: RoPE goes through complex numbers here, real tables there,
+and the angle p theta_i is reduced modulo 2 pi in exact integer arithmetic (Python ints) here,
+in float64 limbs there. Padding is dropped by selection, never by multiplying by 0 (0 * NaN is
+NaN): whatever a masked token holds, the real tokens get what they get without it.
 Run it in float64.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 
 from ..features import favor_features
+from ..rotary import PI
 from .utils import LinearAttentionState, Options, check_args
+
+_BITS = 192  # fixed-point bits of a turn: exact for every |p| < 2**63 (error below 2**-120)
 
 __all__ = ["naive_rotary_linear_attention", "eq19_weights", "rotate_naive"]
 
@@ -28,10 +36,21 @@ def rotate_naive(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
     exp(i p theta_i) with theta_i = base^(-2i/m). x `[..., N, m]`, integer positions
     broadcastable to `x.shape[:-1]`."""
     m = x.shape[-1]
-    theta = torch.tensor([base ** (-2.0 * i / m) for i in range(m // 2)], dtype=torch.float64, device=x.device)
-    angle = positions.to(device=x.device, dtype=torch.float64)[..., None] * theta  # (..., N, m/2)
+    angle = _angles(positions.to(x.device), [base ** (-2.0 * i / m) for i in range(m // 2)])  # (..., N, m/2)
     z = torch.complex(x[..., 0::2].double(), x[..., 1::2].double()) * torch.polar(torch.ones_like(angle), angle)
     return torch.stack((z.real, z.imag), dim=-1).flatten(-2).to(x.dtype)
+
+
+def _angles(positions: torch.Tensor, thetas: list[float]) -> torch.Tensor:
+    """p * theta_i modulo 2 pi `[..., len(thetas)]` in float64, for integer positions `[...]`: a
+    turn per position theta_i / 2 pi in ``_BITS``-bit fixed point, times p, modulo one turn, all
+    in Python ints (exact), then one rounding to float64."""
+    one = 1 << _BITS
+    turns = [round(Fraction(t) / (2 * PI) * one) for t in thetas]
+    uniq, where = torch.unique(positions.long(), return_inverse=True)
+    rows = [[(p * u % one) / one for u in turns] for p in uniq.tolist()]
+    table = torch.tensor(rows, dtype=torch.float64, device=positions.device).view(len(rows), len(thetas))
+    return table[where] * (2 * torch.pi)
 
 
 def _layout(q, k, a):
@@ -61,11 +80,13 @@ def _weights(q, k, *, causal, rotary, base, projection, a):
     pos, seg_q, seg_k, qmask, kmask = _layout(q, k, a)
     rq = rotate_naive(fq, pos[:, None], base) if rotary else fq  # (positions broadcast over heads)
     rk = rotate_naive(fk, pos[:, None], base) if rotary else fk
+    real_k = kmask[:, None, :, None]
+    fk, rk = torch.where(real_k, fk, 0), torch.where(real_k, rk, 0)  # padded keys are dropped, not multiplied
     see = (seg_q[:, :, None] == seg_k[:, None, :]) & kmask[:, None, :]  # (B, N, M)
     if causal:
         see = see & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    a_num = (rq @ rk.transpose(-1, -2)) * see[:, None]  # rotated: Eq. 19's numerator
-    a_den = (fq @ fk.transpose(-1, -2)) * see[:, None]  # unrotated, so positive
+    a_num = torch.where(see[:, None], rq @ rk.transpose(-1, -2), 0)  # rotated: Eq. 19's numerator
+    a_den = torch.where(see[:, None], fq @ fk.transpose(-1, -2), 0)  # unrotated, so positive
     return a_num, a_den.sum(-1), (fq, fk, rq, rk, seg_q, seg_k, qmask, kmask)
 
 
@@ -89,7 +110,11 @@ def naive_rotary_linear_attention(
     """The reference for ``linear_rope.rotary_linear_attention``: same signature, same result."""
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative))
+                   allow_negative=allow_negative, output_final_state=output_final_state))
+    if a.qmask is not None:  # padding is replaced by 0 before anything reads it (its gradient is then 0)
+        q = torch.where(a.qmask[:, None, :, None], q, 0)
+    if a.kmask is not None:
+        k, v = (torch.where(a.kmask[:, None, :, None], t, 0) for t in (k, v))
     a_num, den, (fq, fk, rq, rk, seg_q, seg_k, qmask, kmask) = _weights(
         q, k, causal=causal, rotary=rotary, base=base, projection=projection, a=a)
     num = a_num @ v.to(a_num.dtype)  # (B, H, N, e)
@@ -98,13 +123,14 @@ def naive_rotary_linear_attention(
         z0 = a.state.z.to(num.dtype)[seg_q].transpose(1, 2)  # (B, H, N, m)
         num = num + (rq.unsqueeze(-2) @ S0).squeeze(-2)
         den = den + (fq * z0).sum(-1)
-    # A query that sees no key at all (a masked row) gets 0: its numerator is 0 as well.
-    out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
-    out = (out * qmask[:, None, :, None]).to(v.dtype)
+    # A query whose denominator is <= 0 divides by 1: one that sees no key at all (a masked row)
+    # gets 0, its numerator is 0 as well. A NaN denominator stays NaN (it is not "<= 0").
+    out = num / torch.where(den <= 0, 1, den).unsqueeze(-1)
+    out = torch.where(qmask[:, None, :, None], out, 0).to(v.dtype)
     if not output_final_state:
         return out
     rows = q.shape[0] if a.docs is None else len(a.docs)
-    own = (seg_k[..., None] == torch.arange(rows, device=q.device)).to(rk.dtype) * kmask[..., None]  # (B, M, rows)
+    own = ((seg_k[..., None] == torch.arange(rows, device=q.device)) & kmask[..., None]).to(rk.dtype)  # (B, M, rows)
     S = torch.einsum("bnr,bhnm,bhne->rhme", own, rk, v.to(rk.dtype))  # every real key, into its state
     z = torch.einsum("bnr,bhnm->rhm", own, fk)
     if a.state is not None:
@@ -131,4 +157,4 @@ def eq19_weights(
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=None, cu_seqlens=None, initial_state=None, allow_negative=False))
     a_num, den, _ = _weights(q, k, causal=causal, rotary=rotary, base=base, projection=projection, a=a)
-    return a_num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+    return a_num / torch.where(den <= 0, 1, den).unsqueeze(-1)

@@ -39,7 +39,11 @@ def rotary_linear_attention_step(
         state: the ``LinearAttentionState`` of the tokens before (``None`` at the start). It is
             not modified.
         position: the token's position (the RoPE angle): an int, or a LongTensor `[B]` per row
-            (ragged batches: each row's number of real tokens so far, plus its offset).
+            (ragged batches: each row's number of real tokens so far, plus its offset), at most
+            ``linear_rope.rotary.MAX_POSITION`` = 2**62 - 1.
+        rotary, base, projection, allow_negative: as in ``rotary_linear_attention`` (a ``base``
+            other than the default with ``rotary=False``, or ``allow_negative`` with
+            ``projection``, has no effect and is refused).
 
     Returns:
         ``(out_t, state)``: `[B, H, e]` in v's dtype, and the state including this token.
@@ -51,8 +55,8 @@ def rotary_linear_attention_step(
     B = q_t.shape[0]
     position = check_offset(position, "position", rows=B)
     a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None],
-                   Options(rotary=rotary, offset=position, base=base, projection=projection, initial_state=state,
-                           allow_negative=allow_negative))
+                   Options(rotary=rotary, offset=position if rotary else 0, base=base, projection=projection,
+                           initial_state=state, allow_negative=allow_negative), state_name="state")
     out_dtype = v_t.dtype
     cdt = table_dtype(q_t.dtype)
     state, sk = a.state, None
@@ -77,7 +81,7 @@ def rotary_linear_attention_step(
             S, z = state.S.to(cdt) + S, state.z.to(cdt) + z
         num = (rq.unsqueeze(-2) @ S).squeeze(-2)  # (B, H, e)
         den = (q_t * z).sum(-1)  # (B, H)
-        out = num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)  # as naive
+        out = num / torch.where(den <= 0, 1, den).unsqueeze(-1)  # as naive: <= 0 divides by 1, NaN stays NaN
     return out.to(out_dtype), (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))
 
 
@@ -105,10 +109,12 @@ def recurrent_rotary_linear_attention(
     """
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative))
+                   allow_negative=allow_negative, output_final_state=output_final_state))
     if not causal:
         raise ValueError("causal: the recurrent path walks tokens in order; it is causal only")
     B, H, N, e = q.shape[:3] + v.shape[-1:]
+    if a.kmask is not None:  # padding dropped by selection (0 * NaN is NaN), as on the fast path
+        q, k, v = (torch.where(a.kmask[:, None, :, None], t, 0) for t in (q, k, v))
     docs = [(0, N)] if a.docs is None else a.docs
     outs, states = [], []
     for d, (s, end) in enumerate(docs):
@@ -116,17 +122,22 @@ def recurrent_rotary_linear_attention(
         state = None if a.state is None else LinearAttentionState(a.state.S[rows], a.state.z[rows])
         for t in range(s, end):
             pos = a.positions[:, t] if a.positions is not None else a.offset + t - s
+            rot = dict(base=base) if rotary else {}
             o, new = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, pos, rotary=rotary,
-                                                  base=base, projection=projection, allow_negative=True)
+                                                  projection=projection, allow_negative=projection is None, **rot)
             if a.kmask is not None:  # a masked token leaves the state as it was and outputs 0
                 real = a.kmask[:, t].view(B, 1, 1)
                 old = state or LinearAttentionState(torch.zeros_like(new.S), torch.zeros_like(new.z))
                 new = LinearAttentionState(torch.where(real[..., None], new.S, old.S), torch.where(real, new.z, old.z))
-                o = o * real.to(o.dtype)
+                o = torch.where(real, o, 0)
             outs.append(o)
             state = new
+        if state is None:  # an empty document (or N = 0) without an initial state
+            n = B if a.docs is None else 1
+            cdt = table_dtype(q.dtype)
+            state = LinearAttentionState(v.new_zeros(n, H, a.m, e, dtype=cdt), v.new_zeros(n, H, a.m, dtype=cdt))
         states.append(state)
-    out = torch.stack(outs, dim=2)
+    out = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, e)
     if not output_final_state:
         return out
     return out, LinearAttentionState(torch.cat([st.S for st in states]), torch.cat([st.z for st in states]))

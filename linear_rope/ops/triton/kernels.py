@@ -84,16 +84,18 @@ def _block(w_ptr, c_ptr, i, m, d, P, BP: tl.constexpr, BD: tl.constexpr, FAVOR: 
 def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
               has_mask, FAVOR: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
     """phi(q), phi(k) of the chunk at token t0, even and odd halves `[C, BP]` (padded pairs and
-    tokens, and masked keys, are 0); q' and k' `[C, BD]` (FAVOR+); the keys' not-clamped masks
-    (the gradient passes where floor <= exponent <= 0, as through torch's clamp); the key mask."""
+    tokens, and masked tokens, are 0); q' and k' `[C, BD]` (FAVOR+); the keys' not-clamped masks
+    (the gradient passes where floor <= exponent <= 0, as through torch's clamp); the key mask.
+    Masked tokens are never loaded (selected, not multiplied by 0: 0 * NaN is NaN)."""
     tok = t0 + tl.arange(0, tmask.shape[0])
-    fme = tmask[:, None] & vale[None, :]
-    fmo = tmask[:, None] & valo[None, :]
     km = tl.where(tmask, tl.load(km_row + tok, mask=_with(tmask, has_mask), other=1.0).to(ACC), 0.0)
+    real = km > 0
+    fme = real[:, None] & vale[None, :]
+    fmo = real[:, None] & valo[None, :]
     if FAVOR:
         dd = tl.arange(0, BD)
         xo = tok[:, None] * x_dim + dd[None, :]
-        xm = tmask[:, None] & (dd[None, :] < d)
+        xm = real[:, None] & (dd[None, :] < d)
         xq = tl.load(q_row + xo, mask=xm, other=0.0).to(ACC) * scale
         xk = tl.load(k_row + xo, mask=xm, other=0.0).to(ACC) * scale
         cq = c[None, :] - tl.load(qmax_row + tok, mask=tmask, other=0.0)[:, None]
@@ -104,18 +106,18 @@ def _features(q_row, k_row, km_row, qmax_row, t0, tmask, p, vale, valo, weT, woT
         ao = _mm(xk, woT, XPREC) - ck
         oke = (ae >= FLOOR) & (ae <= 0.0)
         oko = (ao >= FLOOR) & (ao <= 0.0)
-        ke = tl.where(fme, tl.exp(tl.minimum(tl.maximum(ae, FLOOR), 0.0)), 0.0) * km[:, None]
-        ko = tl.where(fmo, tl.exp(tl.minimum(tl.maximum(ao, FLOOR), 0.0)), 0.0) * km[:, None]
+        ke = tl.where(fme, tl.exp(tl.minimum(tl.maximum(ae, FLOOR), 0.0)), 0.0)
+        ko = tl.where(fmo, tl.exp(tl.minimum(tl.maximum(ao, FLOOR), 0.0)), 0.0)
     else:
         off = tok[:, None] * m + 2 * p[None, :]
         fe = tl.load(q_row + off, mask=fme, other=0.0).to(ACC)
         fo = tl.load(q_row + off + 1, mask=fmo, other=0.0).to(ACC)
-        ke = tl.load(k_row + off, mask=fme, other=0.0).to(ACC) * km[:, None]
-        ko = tl.load(k_row + off + 1, mask=fmo, other=0.0).to(ACC) * km[:, None]
+        ke = tl.load(k_row + off, mask=fme, other=0.0).to(ACC)
+        ko = tl.load(k_row + off + 1, mask=fmo, other=0.0).to(ACC)
         xq = fe
         xk = ke
-        oke = fme
-        oko = fmo
+        oke = tmask[:, None] & vale[None, :]  # where d phi(k) is stored: 0 at masked tokens
+        oko = tmask[:, None] & valo[None, :]
     return fe, fo, ke, ko, xq, xk, oke, oko, km
 
 
@@ -218,10 +220,10 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
     for t0 in range(0, N, C):
         tmask = t0 + ar < N
         vm = tmask[:, None] & (ee[None, :] < e)
-        fe, fo, ke, ko, _, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
-                                                  vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
-                                                  FAVOR, BD, ACC, XPREC)
-        v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
+        fe, fo, ke, ko, _, _, _, _, km = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
+                                                   vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
+                                                   FAVOR, BD, ACC, XPREC)
+        v = tl.load(v_ptr + vo + t0 * e, mask=vm & (km > 0)[:, None], other=0.0).to(ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
@@ -291,12 +293,13 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
     for t0 in range(0, N, C):
         tmask = t0 + ar < N
         vm = tmask[:, None] & (ee[None, :] < e)
-        fe, fo, ke, ko, xq, _, _, _, _ = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
-                                                   vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
-                                                   FAVOR, BD, ACC, XPREC)
-        v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
-        dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
-        dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
+        fe, fo, ke, ko, xq, _, _, _, km = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask, p,
+                                                    vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR, has_mask,
+                                                    FAVOR, BD, ACC, XPREC)
+        vl = vm & (km > 0)[:, None]
+        v = tl.load(v_ptr + vo + t0 * e, mask=vl, other=0.0).to(ACC)
+        dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vl, other=0.0)
+        dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=km > 0, other=0.0)
         Pm = tl.where(causal, _mm(dnum, tl.trans(v), PREC), 0.0)  # dnum_t . v_n, n <= t
         dfe = dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
         dfo = dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
@@ -324,9 +327,10 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         fe, fo, ke, ko, _, xk, oke, oko, km = _features(q_row, k_row, km_ptr + b * N, qmax_ptr + bh * N, t0, tmask,
                                                         p, vale, valo, weT, woT, c, m, d, x_dim, scale, FLOOR,
                                                         has_mask, FAVOR, BD, ACC, XPREC)
-        v = tl.load(v_ptr + vo + t0 * e, mask=vm, other=0.0).to(ACC)
-        dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vm, other=0.0)
-        dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=tmask, other=0.0)
+        vl = vm & (km > 0)[:, None]
+        v = tl.load(v_ptr + vo + t0 * e, mask=vl, other=0.0).to(ACC)
+        dnum = tl.load(dnum_ptr + vo + t0 * e, mask=vl, other=0.0)
+        dden = tl.load(dden_ptr + bh * N + t0 + ar, mask=km > 0, other=0.0)
         cs, sn = _tables(cos_ptr, sin_ptr, to + t0 * P, tmask, pmask, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
@@ -341,8 +345,8 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, w_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, si
         dre, dro = _rotate(dre, dro, cs, -sn)
         qe = dden[:, None] * fe
         qo = dden[:, None] * fo
-        dke = (Z_e[None, :] + tl.cumsum(qe, axis=0, reverse=True) + dre) * km[:, None]
-        dko = (Z_o[None, :] + tl.cumsum(qo, axis=0, reverse=True) + dro) * km[:, None]
+        dke = tl.where((km > 0)[:, None], Z_e[None, :] + tl.cumsum(qe, axis=0, reverse=True) + dre, 0.0)
+        dko = tl.where((km > 0)[:, None], Z_o[None, :] + tl.cumsum(qo, axis=0, reverse=True) + dro, 0.0)
         _store_feature_grad(dk_ptr, grow, N, t0, tmask, p, m, d, dke, dko, ke, ko, oke, oko, xk, weT, woT, scale,
                             FAVOR, True, BD, PREC)
         G_e += _mm(tl.trans(re), dnum, PREC)
