@@ -34,9 +34,14 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _poisoning(alloc):
+def _poisoning(alloc, factory: bool = False):
+    """``alloc`` wrapped to poison what it returns. ``factory`` (torch.empty, empty_strided): the
+    default device (``with torch.device("meta")``, as transformers builds a model) is passed on
+    explicitly, since the device mode does not see a call made from inside this wrapper."""
     @functools.wraps(alloc)
     def wrapped(*args, **kwargs):
+        if factory and kwargs.get("device") is None:
+            kwargs["device"] = torch.get_default_device()
         return _poison(alloc(*args, **kwargs))
 
     wrapped.poisons = True
@@ -54,7 +59,7 @@ def poison_uninitialised() -> None:
     if getattr(torch.empty, "poisons", False):
         return
     for name in ("empty", "empty_like", "empty_strided"):
-        setattr(torch, name, _poisoning(getattr(torch, name)))
+        setattr(torch, name, _poisoning(getattr(torch, name), factory=name != "empty_like"))
     for name in ("new_empty", "new_empty_strided"):
         setattr(torch.Tensor, name, _poisoning(getattr(torch.Tensor, name)))
     from linear_rope.ops import workspace
