@@ -358,6 +358,7 @@ def test_supports_names_what_goes_to_torch(monkeypatch):
         "cross-attention": dict(key_mask=torch.ones(1, 8, dtype=torch.bool), causal=False, rotary=False),
         "head dims": dict(v=big),
         "empty batch": dict(v=v[:0], q=q[:0], k=k[:0]),
+        "chunk_size / block_size apply to the torch path": dict(chunk_size=16),
     }
     for why, kw in cases.items():
         args = dict(q=kw.pop("q", q), k=kw.pop("k", k), v=kw.pop("v", v))

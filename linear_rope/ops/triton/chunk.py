@@ -162,14 +162,15 @@ def rotary_linear_attention(
     `[B, H, N, m]` non-negative features; v: `[B, H, N, e]`. Returns `[B, H, N, e]` in v's
     dtype, or ``(out, state)`` with ``output_final_state`` (state in float32, or float64 for
     float64 inputs, as the torch path). The projection gets no gradient (a fixed random draw,
-    as in the torch path). ``chunk_size`` / ``block_size`` are accepted and ignored: the
-    kernel's chunk comes from ``dispatch.pick_config``. ValueError (with the reason) for a call
-    ``supports`` refuses.
+    as in the torch path). ``chunk_size`` / ``block_size`` are refused (the kernel's chunk comes
+    from ``dispatch.pick_config``): a ValueError with the reason, as for every call ``supports``
+    refuses.
     """
     kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
               key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state, allow_negative=allow_negative)
     a = check_args(q, k, v, Options(**kw))
-    ok, why = supports(q, k, v, output_final_state=output_final_state, **kw)
+    ok, why = supports(q, k, v, output_final_state=output_final_state, chunk_size=chunk_size, block_size=block_size,
+                       **kw)
     if not ok:
         raise ValueError(f"rotary_linear_attention (triton): {why}")
     B, H, N, x = q.shape

@@ -167,7 +167,7 @@ def dispatch_configs() -> list[tuple[torch.dtype, dict]]:
 
 def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, projection=None, mask=None,
              key_mask=None, cu_seqlens=None, initial_state=None, output_final_state=False, allow_negative=False,
-             **_) -> tuple[bool, str]:
+             chunk_size=None, block_size=None, **_) -> tuple[bool, str]:
     """(True, "") if the Triton kernels compute this call, else (False, the reason): the calls the
     kernels do not take go to the torch path, which takes every call. Argument errors are not
     judged here: the op's checks raise them on either path. Whether Triton works on this
@@ -182,6 +182,8 @@ def supports(q, k, v, *, causal=True, rotary=True, offset=0, base=10000.0, proje
         return False, "causal=False: the bidirectional closed form is a few GEMMs already (torch path)"
     if cu_seqlens is not None:
         return False, "cu_seqlens (packed documents) is not implemented in the kernels"
+    if chunk_size is not None or block_size is not None:
+        return False, "chunk_size / block_size apply to the torch path (the kernels pick their own chunk)"
     if q.dtype not in GPU_DTYPES and not (q.dtype == torch.float64 and _interpreting()):
         return False, f"dtype {q.dtype}: the kernels take float16, bfloat16 and float32 (float64: the interpreter only)"
     if q.numel() == 0 or v.numel() == 0:
