@@ -46,11 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import is_compiling, is_transformed
-from ..features import favor_features
 from .triton.dispatch import ENV_VAR, KernelError, backend, fallback, record, should_use_triton
 from ..rotary import rotary_tables, rotate_with_tables, table_dtype
 from .chunk_op import chunk_causal
-from .composite import composite_causal
+from .composite import composite_causal, features
 from .layout import OpConfig
 from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
@@ -76,10 +75,7 @@ def _causal(q, k, v, w, a, cfg: OpConfig):
 
 def _bidirectional(q, k, v, w, a, cfg: OpConfig):
     """Closed form: every query sees every (real) key of its row."""
-    fq = q if w is None else favor_features(q, w, is_query=True)
-    fk = k if w is None else favor_features(k, w, is_query=False)
-    if a.kmask is not None:  # padded keys add nothing: selected away, never multiplied by 0
-        fk = torch.where(a.kmask[:, None, :, None], fk, 0)
+    fq, fk = features(q, k, w, a.kmask)
     rq, rk = fq, fk
     if cfg.rotary:
         tables = rotary_tables(q.shape[2], a.m, offset=cfg.offset, base=cfg.base, dtype=v.dtype, device=v.device,

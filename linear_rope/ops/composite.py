@@ -50,15 +50,22 @@ def _chunked(fq, fk, rq, rk, v, S0, z0, C: int):
     return out.flatten(2, 3)[:, :, :n], S0 + Sc.sum(2), z0 + zc.sum(2)
 
 
+def features(q, k, w, kmask):
+    """phi(q), phi(k): FAVOR+ with the projection ``w``, else q, k as given (features in);
+    padded keys (``kmask`` `[B, N]` False) selected away, never multiplied by 0."""
+    fq = q if w is None else favor_features(q, w, is_query=True)
+    fk = k if w is None else favor_features(k, w, is_query=False)
+    if kmask is not None:
+        fk = torch.where(kmask[:, None, :, None], fk, 0)
+    return fq, fk
+
+
 def composite_causal(q, k, v, w, a, cfg: OpConfig):
     """Causal Eq. 19 (Eq. 18 without ``cfg.rotary``) on the checked arguments ``a``: q, k
     `[B, H, N, d or m]` (d with the projection ``w``), v `[B, H, N, e]` -> out, S, z (per row, or
     per packed document: none of them empty)."""
     B, H, N, e = v.shape
-    fq = q if w is None else favor_features(q, w, is_query=True)
-    fk = k if w is None else favor_features(k, w, is_query=False)
-    if a.kmask is not None:  # padded keys add nothing: selected away, never multiplied by 0
-        fk = torch.where(a.kmask[:, None, :, None], fk, 0)
+    fq, fk = features(q, k, w, a.kmask)
     rq, rk = fq, fk
     if cfg.rotary:
         cos, sin = rotary_tables(N, a.m, offset=cfg.offset, base=cfg.base, dtype=v.dtype, device=v.device,
