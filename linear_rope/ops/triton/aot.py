@@ -49,7 +49,7 @@ def matrix_instructions(ptx: str) -> dict:
     tensor-core instructions and their operand types (tf32, bf16, f16, ...); "fma" counts the
     scalar fp32 FMAs (a dot that did not reach the tensor cores)."""
     counts: dict[str, int] = {}
-    for m in re.finditer(r"\b(wgmma\.mma_async|mma\.sync)\.aligned\.[\w.]*?\.(f32|f16|s32)\.(tf32|bf16|f16|e4m3|e5m2|s8)\b", ptx):
+    for m in re.finditer(r"\b(wgmma\.mma_async\.sync|mma\.sync)\.aligned\.[\w.]*?\.(f32|f16|s32)\.(tf32|bf16|f16|e4m3|e5m2|s8)\b", ptx):
         key = f"{'wgmma' if m.group(1).startswith('wgmma') else 'mma'}.{m.group(3)}"
         counts[key] = counts.get(key, 0) + 1
     counts["cvt.rna.tf32"] = len(re.findall(r"cvt\.rna\.tf32\.f32", ptx))
@@ -57,17 +57,22 @@ def matrix_instructions(ptx: str) -> dict:
     return counts
 
 
+KERNELS = (("_qmax_kernel", "qmax", (True,)), ("_state_kernel", "state", (True, False)),
+           ("_state_grad_kernel", "state", (True, False)), ("_out_kernel", "chunk", (True, False)),
+           ("_dq_kernel", "chunk", (True, False)), ("_dkv_kernel", "chunk", (True, False)))
+
+
 def _builds():
-    """(name, JITFunction, input dtype name, FAVOR) for every kernel the dispatch can launch."""
+    """(name, JITFunction, input dtype name, FAVOR, config) for every kernel the dispatch can launch."""
+    from . import chunk_kernels as CK
     from . import kernels as K
     from .dispatch import dispatch_configs
 
     for dtype, cfg in dispatch_configs():
         dt = str(dtype).removeprefix("torch.")
-        yield "_qmax_kernel", K._qmax_kernel, dt, True, cfg["qmax"]
-        for favor in (True, False):
-            yield "_fwd_kernel", K._fwd_kernel, dt, favor, cfg["kernel"]
-            yield "_bwd_kernel", K._bwd_kernel, dt, favor, cfg["kernel"]
+        for name, part, favors in KERNELS:
+            for favor in favors:
+                yield name, getattr(K, name, None) or getattr(CK, name), dt, favor, cfg[part]
 
 
 def compile_one(fn, dtype: str, favor: bool, cfg: dict, arch: int = 90):
@@ -86,7 +91,8 @@ def compile_one(fn, dtype: str, favor: bool, cfg: dict, arch: int = 90):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = f"*{_TL[dtype]}" if name in ("q_ptr", "k_ptr", "v_ptr") else "*fp32"
+            sig[name] = (f"*{_TL[dtype]}" if name in ("q_ptr", "k_ptr", "v_ptr") else
+                         "*bf16" if name == "wp_ptr" else "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name == "FLOOR" else "i32"
@@ -150,6 +156,10 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot: unset TRITON_INTERPRET (the compile needs the real JIT)", file=sys.stderr)
         return 2
+    if not os.environ.get("TRITON_CACHE_DIR"):  # a cache hit gives no ptxas log (no registers, no spills)
+        import tempfile
+
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="linear_rope-aot-")
     rows = run(args.dtype, shard, tuple(args.arch or ARCHS))
     for r in rows:
         ins = ", ".join(f"{k} {v}" for k, v in r.get("instructions", {}).items() if v)

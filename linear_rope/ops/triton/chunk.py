@@ -13,6 +13,7 @@ import torch
 from ...features import key_exponent_floor, pair_shift
 from ...rotary import rotary_tables, table_dtype
 from ..utils import LinearAttentionState, Options, check_args
+from . import chunk_kernels as CK
 from . import kernels as K
 from .dispatch import KernelError, backend, fallback, pick_config, supports, use_backend
 
@@ -38,44 +39,54 @@ def _safe(den):
     return torch.where(den > 0, den, torch.ones_like(den))
 
 
-def _ptrs(meta, like, *more):
-    """The kernels' optional tensors, with a one-element stand-in for each absent one (never read:
-    its constexpr flag is off), so the kernels' pointer arithmetic always has a pointer."""
-    ts = [meta[n] for n in ("w", "c", "km", "qmax", "cos", "sin")] + list(more)
+def _ptrs(meta, names, like, *more):
+    """The kernels' optional tensors ``meta[name]`` for ``names``, then ``more``, with a
+    one-element stand-in for each absent one (never read: its flag is off), so the kernels'
+    pointer arithmetic always has a pointer."""
+    ts = [meta[n] for n in names] + list(more)
     stub = like.new_zeros(1, dtype=meta["cdt"])
     return [stub if t is None else t for t in ts]
 
 
 def _flags(meta, has_state, out_state):
+    # rotary, mask, initial state, final state (forward: stored; backward: its gradient given)
     """The kernels' runtime switches (see ``kernels._flags``)."""
     bits = (meta["cos"] is not None) | (meta["km"] is not None) << 1 | has_state << 2 | out_state << 3
     return 3 + 4 * bits
 
 
 class _TritonCausal(torch.autograd.Function):
-    """(q, k, v, S0, z0) -> (out, S, z) in the compute dtype; ``meta`` holds the rest (no grads)."""
+    """(q, k, v, S0, z0) -> (out, S, z) in the compute dtype; ``meta`` holds the rest (no grads).
+
+    Forward: the query stabiliser, the state pass (the state before every chunk, h `[BH, NT, m,
+    e]` and hz `[BH, NT, m]`), then the chunk-parallel outputs. Saved for the backward: q, k, v,
+    the initial state, out, den and the chunk states (the features are recomputed). Backward:
+    the reverse state pass (dh, dhz), then dq and (dk, dv) chunk-parallel."""
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, meta):
         BH, N, e = v.shape
-        cfg, m = meta["cfg"], meta["m"]
-        cdt = meta["cdt"]
-        nb = -(-meta["dims"][5] // cfg["kernel"]["BP"])  # blocks of pairs
-        num = v.new_empty(nb, BH, N, e, dtype=cdt)
-        den = v.new_empty(nb, BH, N, dtype=cdt)
+        cfg, m, cdt = meta["cfg"], meta["m"], meta["cdt"]
+        C, P = cfg["chunk"]["C"], meta["dims"][5]
+        NT = -(-N // C)
+        favor = meta["w"] is not None
+        h = v.new_empty(BH, NT, m, e, dtype=cdt)
+        hz = v.new_empty(BH, NT, m, dtype=cdt)
         has_state = S0 is not None
         ST = v.new_empty(BH, m, e, dtype=cdt) if meta["store_state"] else None
         zT = v.new_empty(BH, m, dtype=cdt) if meta["store_state"] else None
-        _launch("the forward kernel", K._fwd_kernel, (nb, BH),
-                q, k, v, *_ptrs(meta, v, S0, z0, num, den, ST, zT),
-                *meta["dims"], _flags(meta, has_state, ST is not None), FAVOR=meta["w"] is not None, ACC=_acc(cdt),
-                **cfg["kernel"])
-        den = den.sum(0)
-        den = torch.where(den > 0, den, torch.zeros_like(den))  # as naive: <= 0 divides by 1, no gradient
-        out = num.sum(0) / _safe(den).unsqueeze(-1)
+        sc = cfg["state"]
+        _launch("the state kernel", K._state_kernel, (-(-P // sc["BP"]), -(-e // sc["BV"]), BH),
+                k, v, *_ptrs(meta, ("w", "wp", "c", "km", "cos", "sin"), v, S0, z0, h, hz, ST, zT),
+                *meta["dims"], _flags(meta, has_state, ST is not None), FAVOR=favor, ACC=_acc(cdt), **sc)
+        out = v.new_empty(BH, N, e, dtype=cdt)
+        den = v.new_empty(BH, N, dtype=cdt)
+        _launch("the output kernel", CK._out_kernel, (NT, BH),
+                q, k, v, *_ptrs(meta, ("w", "wp", "c", "km", "qmax", "cos", "sin"), v, h, hz, out, den),
+                *meta["dims"], _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cfg["chunk"])
         if meta["qmask"] is not None:
             out = out * meta["qmask"].unsqueeze(-1)
-        ctx.save_for_backward(q, k, v, S0, z0, out, den)
+        ctx.save_for_backward(q, k, v, S0, z0, out, den, h, hz)
         ctx.meta = meta
         return out, ST, zT
 
@@ -83,39 +94,44 @@ class _TritonCausal(torch.autograd.Function):
     def backward(ctx, g, gS, gz):
         if torch.is_grad_enabled():
             raise RuntimeError("rotary_linear_attention: double backward (create_graph=True) is not supported")
-        q, k, v, S0, z0, out, den = ctx.saved_tensors
+        q, k, v, S0, z0, out, den, h, hz = ctx.saved_tensors
         meta = ctx.meta
         cfg, m, cdt = meta["cfg"], meta["m"], meta["cdt"]
         BH, N, e = v.shape
-        nb = -(-meta["dims"][5] // cfg["kernel"]["BP"])
+        NT, P = h.shape[1], meta["dims"][5]
         g = g.to(cdt)
         if meta["qmask"] is not None:
             g = g * meta["qmask"].unsqueeze(-1)
         dnum = (g / _safe(den).unsqueeze(-1)).contiguous()
         dden = ((g * out).sum(-1) / _safe(den)).neg_().mul_(den > 0).contiguous()
         favor = meta["w"] is not None
-        x = q.shape[-1]
-        dq = q.new_empty((nb, BH, N, x) if favor else (BH, N, x), dtype=cdt)
-        dk = torch.empty_like(dq)
-        dv = v.new_empty(nb, BH, N, e, dtype=cdt)
+        dq, dk = torch.empty_like(q, dtype=cdt), torch.empty_like(k, dtype=cdt)
+        dv = torch.empty_like(v, dtype=cdt)
         has_state = S0 is not None
         dS0 = torch.empty_like(S0) if has_state else None
         dz0 = torch.empty_like(z0) if has_state else None
         has_g = meta["store_state"] and gS is not None
         gS = gS.to(cdt).contiguous() if has_g else None
         gz = gz.to(cdt).contiguous() if has_g else None
+        dh, dhz = torch.empty_like(h), torch.empty_like(hz)
+        sc, cc = cfg["state"], cfg["chunk"]
+        names = ("w", "wp", "c", "km", "qmax", "cos", "sin")
         try:
-            _launch("the backward kernel", K._bwd_kernel, (nb, BH),
-                    q, k, v, *_ptrs(meta, v, S0, z0, dnum, dden, gS, gz, dq, dk, dv, dS0, dz0), *meta["dims"],
-                    _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **cfg["kernel"])
-        except KernelError as e:
+            _launch("the state-gradient kernel", K._state_grad_kernel, (-(-P // sc["BP"]), -(-e // sc["BV"]), BH),
+                    q, *_ptrs(meta, names, v, dnum, dden, gS, gz, dh, dhz, dS0, dz0), *meta["dims"],
+                    _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **sc)
+            _launch("the dq kernel", CK._dq_kernel, (NT, BH),
+                    q, k, v, *_ptrs(meta, names, v, h, hz, dnum, dden, dq), *meta["dims"],
+                    _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
+            _launch("the dk, dv kernel", CK._dkv_kernel, (NT, BH),
+                    q, k, v, *_ptrs(meta, names, v, dh, dhz, dnum, dden, dk, dv), *meta["dims"],
+                    _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
+        except KernelError as err:
             if meta["forced"]:
                 raise
-            fallback(str(e))
+            fallback(str(err))
             return _torch_backward(ctx, g, gS if has_g else None, gz if has_g else None)
-        if favor:
-            dq, dk = dq.sum(0), dk.sum(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.sum(0).to(v.dtype), dS0, dz0, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dz0, None
 
 
 def _torch_backward(ctx, g, gS, gz):
@@ -180,10 +196,15 @@ def rotary_linear_attention(
     cfg = pick_config(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         q3, k3, v3 = (t.reshape(B * H, N, t.shape[-1]).contiguous() for t in (q, k, v))
-        w = c = qmax = cos = sin = km = qm = None
+        w = wp = c = qmax = cos = sin = km = qm = None
         if projection is not None:
             w = projection.detach().to(device=q.device, dtype=cdt).contiguous()
             c = pair_shift(w)[0::2].contiguous()  # (P,): one shift per rotation pair
+            if cfg["chunk"]["XPREC"] == "bf16w3":  # w d^(-1/4) in three bf16 pieces (kernels._exponent3)
+                ws = w.float() * (1.0 / (x ** 0.5) ** 0.5)
+                w1 = ws.bfloat16()
+                w2 = (ws - w1.float()).bfloat16()
+                wp = torch.stack([w1, w2, (ws - w1.float() - w2.float()).bfloat16()]).contiguous()
             qmax = q.new_empty(B * H, N, dtype=cdt)
             _launch("the query-stabiliser kernel", K._qmax_kernel, (-(-N // cfg["qmax"]["C"]), B * H),
                     q3, w, c, qmax, N, m, x, (m + 1) // 2, ACC=_acc(cdt), **cfg["qmax"])
@@ -201,7 +222,7 @@ def rotary_linear_attention(
         tab_rows = 1 if cos is None or cos.dim() == 2 else cos.shape[0]
         dims = (N, H, m, x if projection is not None else m, e, (m + 1) // 2, x, tab_rows,
                 key_exponent_floor(cdt))
-        meta = dict(cfg=cfg, m=m, cdt=cdt, w=w, c=c, km=km, qmask=qm, qmax=qmax, cos=cos, sin=sin, dims=dims,
+        meta = dict(cfg=cfg, m=m, cdt=cdt, w=w, wp=wp, c=c, km=km, qmask=qm, qmax=qmax, cos=cos, sin=sin, dims=dims,
                     store_state=output_final_state, forced=backend() == "triton",
                     torch_fn=lambda *t: _torch_path(t, (B, H, N, x, m, e), kw))
         out, S, z = _TritonCausal.apply(q3, k3, v3, S0, z0, meta)

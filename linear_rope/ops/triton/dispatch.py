@@ -40,9 +40,11 @@ __all__ = ["BACKENDS", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton", "fla")
 MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the ahead-of-time builds check this size
-NUM_STAGES = 1  # no software pipelining of the chunk loop's loads: less shared memory (see docs/gpu.md)
-NUM_WARPS = 8  # 256 threads share each program's tiles: fewer registers per thread (and spills) than 4 warps
-CHUNK = 32  # tokens per chunk: 64 spilled more on sm_90 (5.6 KB against 1.3 KB in the bf16 backward)
+NUM_STAGES = 2  # the block loop's loads (projection rows, chunk states) pipelined one block ahead
+NUM_WARPS = 4  # 128 threads per program: the chunk-parallel grid has NT x BH programs to fill the SMs
+CHUNK = 64  # tokens per chunk: 64-row tiles (sm_90's wgmma takes M = 64)
+PAIRS = 16  # rotation pairs per block of the chunk-parallel kernels (32 features: m = 266 is 9 blocks)
+STATE_PAIRS = 32  # and of the state passes (64 features x 64 values of state per program)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton releases the kernels are tested with (CI: the interpreter tests under both; the
 # ahead-of-time sm_80 / sm_90 builds under the oldest): older ones fall back, newer ones too
@@ -145,19 +147,25 @@ def pick_config(dtype: torch.dtype) -> dict:
     """The kernels' launch parameters: one config per input dtype, chosen here on the CPU (no
     autotune, so the interpreter and the ahead-of-time builds see exactly what runs).
 
-    C = 32 tokens per chunk; BP = 32 rotation pairs per program (m = 266 is 133 pairs: 5
-    blocks, 17% padding); BD = BE = 64: d and e padded to 64 (the paper's head size; smaller
-    heads pay for the padding); 8 warps, 1 stage (see docs/gpu.md for the builds).
+    ``chunk`` (the chunk-parallel kernels): C = 64 tokens per chunk, BP = 16 rotation pairs per
+    block (m = 266 is 133 pairs: 9 blocks, 8% padding), BD = BE = 64 (d and e padded to 64, the
+    paper's head size; smaller heads pay for the padding), 4 warps, 2 stages. ``state`` (the
+    two state passes): the same chunks, blocks of 32 pairs and 64 value columns. ``qmax``: the
+    stabiliser's kernel. The ahead-of-time builds (``aot.py``, docs/gpu.md) check these.
 
     GEMM precision (see ``kernels.py``): ``XPREC`` for the FAVOR+ exponent products, TF32x3
-    (about fp32) for every GPU dtype; ``PREC`` for the rest: rounded TF32 (``"tf32r"``) for bf16
-    inputs, TF32x3 for fp16 and fp32 inputs (fp16 carries TF32's 10 mantissa bits, so TF32
-    round-off in the products doubled its error: 4x float32-rounded-to-fp16 in dk, dv under the
-    emulation); float64 (the interpreter only) runs "ieee"."""
-    prec = {torch.float16: "tf32x3", torch.bfloat16: "tf32r", torch.float32: "tf32x3"}.get(dtype, "ieee")
+    (about fp32) for every GPU dtype; ``PREC`` for the rest: bf16 operands for bf16 inputs (the
+    bf16 tensor cores; held to the bf16 tolerances under the emulation), TF32x3 for fp16 and
+    fp32 inputs (fp16 carries TF32's 10 mantissa bits, so TF32 round-off in the products
+    doubled its error: 4x float32-rounded-to-fp16 in dk, dv under the emulation); float64 (the
+    interpreter only) runs "ieee"."""
+    prec = {torch.float16: "tf32x3", torch.bfloat16: "bf16x3", torch.float32: "tf32x3"}.get(dtype, "ieee")
     xprec = "tf32x3" if dtype in GPU_DTYPES else "ieee"
-    common = dict(C=CHUNK, BP=32, BD=MAX_HEAD_DIM, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return dict(kernel=dict(common, BE=MAX_HEAD_DIM, PREC=prec, XPREC=xprec), qmax=dict(common, XPREC=xprec))
+    fx = "bf16w3" if dtype == torch.bfloat16 else xprec  # bf16 inputs: exact bf16 exponent products
+    common = dict(C=CHUNK, BD=MAX_HEAD_DIM, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return dict(chunk=dict(common, BP=PAIRS, BE=MAX_HEAD_DIM, PREC=prec, SPREC=prec, XPREC=fx),
+                state=dict(common, BP=STATE_PAIRS, BV=MAX_HEAD_DIM, PREC=prec, SPREC=prec, XPREC=fx),
+                qmax=dict(common, BP=STATE_PAIRS, XPREC=xprec))
 
 
 def dispatch_configs() -> list[tuple[torch.dtype, dict]]:

@@ -1,0 +1,199 @@
+"""Causal Eq. 19 (and Eq. 18): the chunk-parallel Triton kernels, one program per chunk of ``C``
+tokens and row-head, given the chunk states of ``kernels._state_kernel`` (forward) and
+``kernels._state_grad_kernel`` (backward). Each program loops over the blocks of ``BP`` rotation
+pairs and sums the blocks' contributions on chip (registers), so nothing larger than the
+outputs is written:
+
+* ``_out_kernel``: out_t = (sum over blocks of R phi(q_t) . h + (A v)_t) / den_t with the
+  intra-chunk scores A = (R phi(q))(R phi(k))^T (causal), den_t = phi(q_t) . (hz + sum_{n <= t}
+  phi(k_n)) (unrotated); out and den `[BH, N]` (the backward needs them).
+* ``_dq_kernel``: dq from dnum . h^T, the intra-chunk (dnum v^T) R phi(k), and the denominator;
+  through RoPE back and through the FAVOR+ exponent (dq = (dphi * phi) w d^(-1/4), summed over
+  the blocks), or stored per feature for features in.
+* ``_dkv_kernel``: dv = sum over blocks of R phi(k) dh + A^T dnum; dk from v dh^T, the
+  intra-chunk (v dnum^T) R phi(q) and the denominator's suffix sums, through RoPE and the
+  clamped key exponent.
+
+Shared pieces and precisions: ``kernels.py``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kernels import _INTS, _block, _chunk, _feats, _flags, _load_pairs, _mm, _mma, _rotate, _scale, _shift, _tables, _x
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, h_ptr, hz_ptr, out_ptr,
+                den_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+                C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
+    """Program (c, bh): out `[BH, N, e]` and den `[BH, N]` of chunk c (den <= 0 is stored as 0 and
+    divides by 1, as in ``naive.py``; NaN stays NaN)."""
+    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    NT = tl.cdiv(N, C)
+    scale = _scale(d, ACC)
+    rotary, has_mask, _s0, _sT = _flags(FLAGS)
+    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
+    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
+    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    ee = tl.arange(0, BE)
+    A = tl.zeros((C, C), ACC)
+    num = tl.zeros((C, BE), ACC)
+    den = tl.zeros((C,), ACC)
+    for i in range(0, tl.cdiv(P, BP)):
+        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
+        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)  # reloaded per block (cache hits): not live across
+        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
+        fe, fo, _, _ = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR, ACC,
+                              XPREC)
+        ke, ko, _, _ = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, True, FAVOR, ACC,
+                              XPREC)
+        h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
+        den += tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)),
+                      axis=1)
+        cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
+        re, ro = _rotate(fe, fo, cs, sn)
+        rke, rko = _rotate(ke, ko, cs, sn)
+        A = _mma(_mma(A, re, tl.trans(rke), PREC), ro, tl.trans(rko), PREC)
+        num = _mma(_mma(num, re, h_e, SPREC), ro, h_o, SPREC)
+    vm = real[:, None] & (ee[None, :] < e)
+    v = tl.load((v_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], mask=vm, other=0.0)  # input dtype: exact
+    A = tl.where(tok[:, None] >= tok[None, :], A, 0.0)
+    num = _mma(num, A, v, PREC)
+    out = num / tl.where(den <= 0.0, 1.0, den)[:, None]
+    tl.store((out_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], out, mask=tmask[:, None] & (ee[None, :] < e))
+    tl.store((den_ptr + bh * N) + tok, tl.where(den <= 0.0, 0.0, den), mask=tmask)
+
+
+@triton.jit
+def _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC: tl.constexpr):
+    """v, dnum `[C, BE]` and dden `[C]` of the chunk, 0 at masked tokens."""
+    vm = real[:, None] & (ee[None, :] < e)
+    off = tok[:, None] * e + ee[None, :]  # 32-bit tile offsets from 64-bit scalar bases
+    v = tl.load((v_ptr + bh * N * e) + off, mask=vm, other=0.0)  # in the input dtype: an exact operand (``_mma``)
+    dnum = tl.load((dnum_ptr + bh * N * e) + off, mask=vm, other=0.0).to(ACC)
+    dden = tl.load((dden_ptr + bh * N) + tok, mask=real, other=0.0).to(ACC)
+    return v, dnum, dden
+
+
+@triton.jit
+def _feature_grad(dx, dfe, dfo, fe, fo, oke, oko, weT, woT, PREC: tl.constexpr):
+    """FAVOR+: d phi -> d exponent (phi = exp(a): da = dphi * phi, 0 where the gradient does not
+    pass) -> dx' `[C, BD]` plus the block's share (through a = w . x'), and sum_j da_j `[C]`
+    (keys: the |x'|^2 / 2 term)."""
+    dae = tl.where(oke, dfe * fe, 0.0)
+    dao = tl.where(oko, dfo * fo, 0.0)
+    return _mma(_mma(dx, dae, tl.trans(weT), PREC), dao, tl.trans(woT), PREC), tl.sum(dae + dao, axis=1)
+
+
+@triton.jit
+def _store_columns(ptr, bh, N, m, tok, tmask, p, vale, valo, dfe, dfo, oke, oko):
+    """Features in: the block's columns of d phi `[BH, N, m]` (0 at masked tokens)."""
+    off = tok[:, None] * m + 2 * p[None, :]
+    ptr = ptr + bh * N * m
+    tl.store(ptr + off, tl.where(oke, dfe, 0.0), mask=tmask[:, None] & vale[None, :])
+    tl.store(ptr + off + 1, tl.where(oko, dfo, 0.0), mask=tmask[:, None] & valo[None, :])
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, h_ptr, hz_ptr, dnum_ptr,
+               dden_ptr, dq_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+               C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+               FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
+    """Program (c, bh): dq of chunk c, `[BH, N, d]` (FAVOR+) or `[BH, N, m]` (features in)."""
+    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    NT = tl.cdiv(N, C)
+    scale = _scale(d, ACC)
+    rotary, has_mask, _s0, _sT = _flags(FLAGS)
+    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
+    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
+    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    ee = tl.arange(0, BE)
+    v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
+    Pm = tl.where(tok[:, None] >= tok[None, :], _mm(dnum, tl.trans(v), PREC), 0.0)  # dnum_t . v_n, n <= t
+    dx = tl.zeros((C, BD), ACC)
+    for i in range(0, tl.cdiv(P, BP)):
+        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
+        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)  # reloaded per block (cache hits): not live across
+        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
+        fe, fo, oqe, oqo = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR,
+                                  ACC, XPREC)
+        ke, ko, _, _ = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, True, FAVOR, ACC,
+                              XPREC)
+        h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
+        cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
+        rke, rko = _rotate(ke, ko, cs, sn)
+        dre = _mma(_mm(dnum, tl.trans(h_e), SPREC), Pm, rke, PREC)
+        dro = _mma(_mm(dnum, tl.trans(h_o), SPREC), Pm, rko, PREC)
+        dre, dro = _rotate(dre, dro, cs, -sn)  # R^T: rotate back
+        dfe = dre + dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
+        dfo = dro + dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
+        if FAVOR:
+            dx, _ = _feature_grad(dx, dfe, dfo, fe, fo, oqe, oqo, weT, woT, PREC)
+        else:
+            _store_columns(dq_ptr, bh, N, m, tok, tmask, p, vale, valo, dfe, dfo, oqe, oqo)
+    if FAVOR:
+        dd = tl.arange(0, BD)
+        tl.store((dq_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], dx * scale,
+                 mask=tmask[:, None] & (dd[None, :] < d))
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, dh_ptr, dhz_ptr, dnum_ptr,
+                dden_ptr, dk_ptr, dv_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+                C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
+    """Program (c, bh): dk (as dq) and dv `[BH, N, e]` of chunk c, given the later chunks' state
+    gradients dh, dhz."""
+    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    NT = tl.cdiv(N, C)
+    scale = _scale(d, ACC)
+    rotary, has_mask, _s0, _sT = _flags(FLAGS)
+    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
+    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
+    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    ee = tl.arange(0, BE)
+    v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
+    later = tok[:, None] <= tok[None, :]  # [n, t]: t >= n
+    Pt = tl.where(later, _mm(v, tl.trans(dnum), PREC), 0.0)  # v_n . dnum_t
+    At = tl.zeros((C, C), ACC)
+    dv = tl.zeros((C, BE), ACC)
+    dx = tl.zeros((C, BD), ACC)
+    dsum = tl.zeros((C,), ACC)
+    for i in range(0, tl.cdiv(P, BP)):
+        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
+        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)  # reloaded per block (cache hits): not live across
+        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
+        fe, fo, _, _ = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR, ACC,
+                              XPREC)
+        ke, ko, oke, oko = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, True, FAVOR,
+                                  ACC, XPREC)
+        G_e, G_o, Z_e, Z_o = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
+        cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
+        re, ro = _rotate(fe, fo, cs, sn)
+        rke, rko = _rotate(ke, ko, cs, sn)
+        At = _mma(_mma(At, rke, tl.trans(re), PREC), rko, tl.trans(ro), PREC)
+        dv = _mma(_mma(dv, rke, G_e, SPREC), rko, G_o, SPREC)
+        dre = _mma(_mm(v, tl.trans(G_e), SPREC), Pt, re, PREC)
+        dro = _mma(_mm(v, tl.trans(G_o), SPREC), Pt, ro, PREC)
+        dre, dro = _rotate(dre, dro, cs, -sn)
+        dke = dre + Z_e[None, :] + tl.cumsum(dden[:, None] * fe, axis=0, reverse=True)
+        dko = dro + Z_o[None, :] + tl.cumsum(dden[:, None] * fo, axis=0, reverse=True)
+        if FAVOR:
+            dx, si = _feature_grad(dx, dke, dko, ke, ko, oke, oko, weT, woT, PREC)
+            dsum += si
+        else:
+            _store_columns(dk_ptr, bh, N, m, tok, tmask, p, vale, valo, dke, dko, oke, oko)
+    dv = _mma(dv, tl.where(later, At, 0.0), dnum, PREC)
+    vm = tmask[:, None] & (ee[None, :] < e)
+    tl.store((dv_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], tl.where(real[:, None], dv, 0.0), mask=vm)
+    if FAVOR:
+        dd = tl.arange(0, BD)
+        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
+        tl.store((dk_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], (dx - xk * dsum[:, None]) * scale,
+                 mask=tmask[:, None] & (dd[None, :] < d))
