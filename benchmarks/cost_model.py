@@ -94,21 +94,38 @@ def fla_fused_features_path(N):
 
 
 def triton_path(N):
-    """Our Triton kernels (linear_rope/ops/triton): one program per (head, block of BP = 32
-    rotation pairs), P = 5 blocks at m = 266 (320 features computed), C = 32. FLOPs: each block
-    recomputes its features (TF32x3 exponent products: 3x the TF32 work) and its own numerator
-    and denominator products (rounded TF32 on bf16 inputs: the TF32 peak). Bytes: each block
-    reads q, k, v (bf16) and writes fp32 partial sums of the numerator and denominator [N, e+1],
-    which torch adds (P reads, 1 write); the backward walks the sequence twice, reading q, k, v,
-    dout and the forward's out / den per block each time, and writes fp32 partial dq, dk, dv
-    [N, 64] per block, added in torch."""
-    C, P, mp = 32, math.ceil(M / 2 / 32), 2 * 32 * math.ceil(M / 2 / 32)
-    feat = 3 * 4 * N * D * mp  # TF32x3
-    att = 2 * N * C * mp * 2 + P * 2 * N * C * E + 4 * N * mp * E + 2 * N * mp  # num (rotated) + den (unrotated)
-    f = 3 * (feat + att)
-    b_fwd = P * 3 * N * D * 2 + P * N * (E + 1) * 4 + (P + 1) * N * (E + 1) * 4 + 4 * N * E * 4
-    b_bwd = 2 * P * (4 * N * D * 2 + N * (E + 1) * 4) + 3 * P * N * D * 4 + 3 * (P + 1) * N * D * 4
-    return [phase("kernels (TF32 / TF32x3 GEMMs)", f, b_fwd + b_bwd, "tf32")]
+    """Our Triton kernels (linear_rope/ops/triton), the chunk-parallel design: C = 64, blocks of
+    BP = 16 rotation pairs (m = 266 padded to 288 features: 9 blocks), bf16 inputs.
+    FLOPs, all on the bf16 tensor cores: every product of two fp32 values runs as three bf16
+    products (``"bf16x3"``), of an fp32 value and v (exact in bf16) as two, and the exponent
+    products x . w as three (x exact, w in three pieces: ``"bf16w3"``). The features are
+    recomputed where needed: k twice in the state pass (two blocks of 32 values) and once in
+    the output kernel, q once there; backward q twice in the state-gradient pass, q and k in
+    each of the dq and dk/dv kernels: 10 feature evaluations of 2 N d mp FLOPs, x3.
+    Forward products: the state updates rk^T v (2N mp e, x2), the intra-chunk scores rq rk^T
+    (2N C mp, x3), the queries times the states (2N mp e, x3), the scores times v (2N C e, x2);
+    the denominator is elementwise (cumulative sums). Backward: dh (2N mp e, x3); dq: dnum v^T
+    (x2), dnum h^T (x3), its scores times rk (2N C mp, x3), through w (2N mp d, x3); dk, dv:
+    v dnum^T (x2), scores (x3), rk dh (x3), v dh^T (x2), scores times rq (x3), through w (x3),
+    scores^T dnum (2N C e, x3).
+    Bytes: q, k, v (bf16) and the fp32 tensors each kernel reads or writes, once per kernel
+    (programs of one head re-read q, k, v from L2); the chunk states h, dh [N/C, m, e] in fp32
+    written once and read once; the RoPE tables [N, m/2] cos and sin in fp32, read by all five
+    kernels (computing them on chip would save these); the elementwise torch ops of the wrapper
+    (out to bf16; dnum, dden; dq, dk, dv to bf16)."""
+    C, mp = 64, 2 * 16 * math.ceil(M / 2 / 16)
+    feat = 10 * 2 * N * D * mp * 3
+    fwd = 2 * N * mp * E * 2 + 2 * N * C * mp * 3 + 2 * N * mp * E * 3 + 2 * N * C * E * 2
+    bwd = (2 * N * mp * E * 3 + 2 * N * C * E * 2 + 2 * N * E * mp * 3 + 2 * N * C * mp * 3 + 2 * N * mp * D * 3
+           + 2 * N * C * E * 2 + 2 * N * C * mp * 3 + 2 * N * mp * E * 3 + 2 * N * E * mp * 2 + 2 * N * C * mp * 3
+           + 2 * N * mp * D * 3 + 2 * N * C * E * 3)
+    x, st, tab = 2 * N * D, 4 * (N / C) * M * (E + 1), 2 * 4 * N * M / 2
+    b_fwd = (x + 4 * N) + (x + 2 * N * E + st + tab) + (2 * x + 2 * N * E + 4 * N + st + tab + 4 * N * E + 4 * N) \
+        + (4 + 2) * N * E
+    b_bwd = ((2 + 4 + 4) * N * E + 4 * N + 4 * N) + (x + 4 * N * E + 4 * N + st + tab) \
+        + (2 * x + 2 * N * E + 4 * N * E + 4 * N + st + tab + 4 * N * D) \
+        + (2 * x + 2 * N * E + 4 * N * E + 4 * N + st + tab + 4 * N * D + 4 * N * E) + 3 * (4 + 2) * N * D
+    return [phase("kernels (bf16 tensor cores)", feat + fwd + bwd, b_fwd + b_bwd, "bf16")]
 
 
 def sdpa_path(N):

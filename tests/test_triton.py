@@ -384,18 +384,21 @@ def test_bad_input_and_double_backward():
 
 def test_aot_builds(aot_jobs):
     """Every kernel in every config ``dispatch`` can pick builds for sm_80 and sm_90 and fits the
-    SM's per-block shared memory; the report names the matrix instructions of each build."""
-    from linear_rope.ops.triton.aot import ARCHS, SM_LIMITS
+    SM's per-block shared memory; the report names the matrix instructions of each build; the
+    bf16 builds of the chunk-parallel kernels meet ``aot.BF16_TARGETS`` (2 blocks per SM, bf16
+    tensor cores only) and spill no more than ``aot.BF16_SPILLS`` records (the 0-spill target
+    is not met yet: a ratchet)."""
+    from linear_rope.ops.triton.aot import ARCHS, KERNELS, SM_LIMITS, bf16_misses
 
     rows = []
     for proc, path in aot_jobs:
-        log, _ = proc.communicate(timeout=600)
+        log, _ = proc.communicate(timeout=900)
         assert path.is_file(), log[-3000:]
         rows += json.loads(path.read_text())
         assert proc.returncode == 0, log[-3000:]
     built = {(r["arch"], r["kernel"], r["dtype"], r["favor"]) for r in rows}
     want = {(f"sm_{a}", k, str(dt).removeprefix("torch."), f) for a in ARCHS for dt, _ in dispatch_configs()
-            for k, f in [("_qmax_kernel", True)] + [(n, f) for n in ("_fwd_kernel", "_bwd_kernel") for f in (True, False)]}
+            for k, _, favors in KERNELS for f in favors}
     assert built == want
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
@@ -404,8 +407,9 @@ def test_aot_builds(aot_jobs):
         assert r["blocks_per_sm"] >= 1, r
         ins = r["instructions"]
         assert sum(v for k, v in ins.items() if k.startswith(("mma", "wgmma"))) > 0, r  # the dots reach the tensor cores
-        if r["favor"] and r["dtype"] == "bfloat16":  # the exponents' TF32x3 splits its operands with cvt.rna
-            assert ins["cvt.rna.tf32"] > 0, r
+        assert not bf16_misses(r), (bf16_misses(r), r)
+        if r["favor"] and r["dtype"] == "float32":
+            assert ins["cvt.rna.tf32"] > 0, r  # the exponents' TF32x3 splits its operands with cvt.rna
 
 
 def test_public_op_layer_and_lm_take_the_kernels_when_forced(monkeypatch):

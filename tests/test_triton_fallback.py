@@ -26,7 +26,7 @@ from linear_rope.features import FavorFeatures  # noqa: E402
 from linear_rope.ops import naive_rotary_linear_attention  # noqa: E402
 from linear_rope.ops.triton import chunk as triton_chunk  # noqa: E402
 from linear_rope.ops.triton import dispatch  # noqa: E402
-from linear_rope.ops.triton import kernels as K  # noqa: E402
+from linear_rope.ops.triton import chunk_kernels as CK  # noqa: E402
 
 IMPORT = dispatch._triton_import  # cached: cleared around each test
 WARNING = "linear_rope: warning: Triton kernels unavailable, using the torch path"
@@ -140,10 +140,10 @@ def test_kernel_that_fails_to_build(gpu, capsys, monkeypatch):
 
     def bad(dtype):
         cfg = real(dtype)
-        cfg["kernel"]["BP"] = 48
+        cfg["state"]["BP"] = 48
         return cfg
     monkeypatch.setattr(triton_chunk, "pick_config", bad)
-    _run_and_compare(capsys, "the forward kernel failed to build or launch")
+    _run_and_compare(capsys, "the state kernel failed to build or launch")
     assert gpu  # the kernels were tried, then the torch path answered
 
 
@@ -156,12 +156,12 @@ class _OutOfSharedMemory:
         return launch
 
 
-@pytest.mark.parametrize("kernel", ["_fwd_kernel", "_bwd_kernel"])
+@pytest.mark.parametrize("kernel", ["_out_kernel", "_dkv_kernel"])
 def test_kernel_that_fails_to_launch(gpu, capsys, monkeypatch, kernel):
     """Forward: the call takes the torch path. Backward (the forward ran on the kernels): the
     gradients come from the torch path, recomputed from the saved inputs."""
-    monkeypatch.setattr(K, kernel, _OutOfSharedMemory())
-    what = "the forward kernel" if kernel == "_fwd_kernel" else "the backward kernel"
+    monkeypatch.setattr(CK, kernel, _OutOfSharedMemory())
+    what = "the output kernel" if kernel == "_out_kernel" else "the dk, dv kernel"
     _run_and_compare(capsys, f"{what} failed to build or launch (OutOfResources")
     assert gpu
 
@@ -175,9 +175,9 @@ def test_forced_backend_raises_instead(gpu, monkeypatch, broken):
         monkeypatch.setattr(dispatch, "_triton_import", lambda: ("3.1.0", ""))
     elif broken == "capability":  # an untested capability is tried when forced; a failing launch raises
         monkeypatch.setattr(dispatch, "_gpu_capability", lambda device: (7, 5))
-        monkeypatch.setattr(K, "_fwd_kernel", _OutOfSharedMemory())
+        monkeypatch.setattr(CK, "_out_kernel", _OutOfSharedMemory())
     else:
-        monkeypatch.setattr(K, "_bwd_kernel", _OutOfSharedMemory())
+        monkeypatch.setattr(CK, "_dq_kernel", _OutOfSharedMemory())
     (q, k, v), kw = _case()
     with pytest.raises((ValueError, dispatch.KernelError), match="forced|failed to build or launch"):
         out, _ = linear_rope.rotary_linear_attention(q, k, v, **kw)

@@ -62,6 +62,35 @@ KERNELS = (("_qmax_kernel", "qmax", (True,)), ("_state_kernel", "state", (True, 
            ("_dq_kernel", "chunk", (True, False)), ("_dkv_kernel", "chunk", (True, False)))
 
 
+# The targets of the chunk-parallel kernels' bf16 builds (every kernel but ``_qmax_kernel``): at
+# least 2 resident blocks per SM, bf16 tensor-core instructions (wgmma on sm_90, mma on sm_80)
+# and no TF32 ones, and no spills. The spill target is not met yet: ``BF16_SPILLS`` holds the
+# spill stores each build has today (Triton 3.6.0; docs/gpu.md), and ``bf16_misses`` fails a
+# build that spills more (a ratchet towards 0), or misses another target.
+BF16_TARGETS = dict(blocks_per_sm=2, spill_store_bytes=0)
+BF16_SPILLS: dict[tuple[str, str, bool], int] = {}
+
+
+def bf16_misses(row: dict) -> list[str]:
+    """The targets a bf16 build of the chunk-parallel kernels misses ([] for other builds)."""
+    if row.get("dtype") != "bfloat16" or row.get("kernel") == "_qmax_kernel":
+        return []
+    if not row.get("ok") or "shared_bytes" not in row:
+        return [row.get("error", "did not build")]
+    miss, ins = [], row["instructions"]
+    if row["blocks_per_sm"] < BF16_TARGETS["blocks_per_sm"]:
+        miss.append(f"{row['blocks_per_sm']} blocks per SM < {BF16_TARGETS['blocks_per_sm']}")
+    want = "wgmma.bf16" if row["arch"] == "sm_90" else "mma.bf16"
+    if not ins.get(want):
+        miss.append(f"no {want} instructions")
+    if ins.get("mma.tf32") or ins.get("wgmma.tf32"):
+        miss.append("TF32 tensor-core instructions in a bf16 build")
+    allowed = BF16_SPILLS.get((row["arch"], row["kernel"], row["favor"]), BF16_TARGETS["spill_store_bytes"])
+    if row["spill_store_bytes"] is None or row["spill_store_bytes"] > allowed:
+        miss.append(f"spills {row['spill_store_bytes']} B > {allowed} B")
+    return miss
+
+
 def _builds():
     """(name, JITFunction, input dtype name, FAVOR, config) for every kernel the dispatch can launch."""
     from . import chunk_kernels as CK

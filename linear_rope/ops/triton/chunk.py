@@ -137,7 +137,7 @@ class _TritonCausal(torch.autograd.Function):
 def _torch_backward(ctx, g, gS, gz):
     """The backward on the torch path, when the backward kernel cannot run: recompute the forward
     there from the saved inputs and differentiate it (same maths, same results to round-off)."""
-    q, k, v, S0, z0, _, _ = ctx.saved_tensors
+    q, k, v, S0, z0 = ctx.saved_tensors[:5]
     meta = ctx.meta
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (q, k, v, S0, z0)]
     with torch.enable_grad():

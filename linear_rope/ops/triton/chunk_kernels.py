@@ -21,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _INTS, _block, _chunk, _feats, _flags, _load_pairs, _mm, _mma, _rotate, _scale, _shift, _tables, _x
+from .kernels import (_INTS, _block, _chunk, _exp_weights, _feats, _flags, _load_pairs, _mm, _mma, _mma_split, _rotate, _scale,
+                      _shift, _split, _sq, _tables, _x, _xin)
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -39,18 +40,20 @@ def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
     tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
     q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
     qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)  # |k'|^2 / 2, once per chunk
     ee = tl.arange(0, BE)
     A = tl.zeros((C, C), ACC)
     num = tl.zeros((C, BE), ACC)
     den = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
         p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)  # reloaded per block (cache hits): not live across
-        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
-        fe, fo, _, _ = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR, ACC,
-                              XPREC)
-        ke, ko, _, _ = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, True, FAVOR, ACC,
-                              XPREC)
+        e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)  # reloaded per block (cache hits): not live
+        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
+        fe, fo, _, _ = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, False, FAVOR,
+                              ACC, XPREC)
+        ke, ko, _, _ = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, True, FAVOR,
+                              ACC, XPREC)
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         den += tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)),
                       axis=1)
@@ -80,13 +83,32 @@ def _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC: tl.con
 
 
 @triton.jit
-def _feature_grad(dx, dfe, dfo, fe, fo, oke, oko, weT, woT, PREC: tl.constexpr):
+def _feature_grad(dx, dfe, dfo, fe, fo, oke, oko, weT, woT, e1, e2, o1, o2, PREC: tl.constexpr, XPREC: tl.constexpr):
     """FAVOR+: d phi -> d exponent (phi = exp(a): da = dphi * phi, 0 where the gradient does not
-    pass) -> dx' `[C, BD]` plus the block's share (through a = w . x'), and sum_j da_j `[C]`
-    (keys: the |x'|^2 / 2 term)."""
+    pass) -> dx plus the block's share (through a = w . x'), and sum_j da_j `[C]` (keys: the
+    |x'|^2 / 2 term). ``"bf16w3"``: through the scaled projection's first two bf16 pieces
+    (16 bits, as ``"bf16x3"``), so dx is d/dx itself (``_grad_scale`` = 1); else through
+    ``_block``'s fp32 tiles, dx is d/dx' (``_grad_scale`` = d^(-1/4))."""
     dae = tl.where(oke, dfe * fe, 0.0)
     dao = tl.where(oko, dfo * fo, 0.0)
-    return _mma(_mma(dx, dae, tl.trans(weT), PREC), dao, tl.trans(woT), PREC), tl.sum(dae + dao, axis=1)
+    if XPREC == "bf16w3":
+        ah, al = _split(dae, "bf16x3")
+        dx = tl.dot(ah, tl.trans(e1), tl.dot(ah, tl.trans(e2), tl.dot(al, tl.trans(e1), dx)))
+        ah, al = _split(dao, "bf16x3")
+        dx = tl.dot(ah, tl.trans(o1), tl.dot(ah, tl.trans(o2), tl.dot(al, tl.trans(o1), dx)))
+    else:
+        dx = _mma(_mma(dx, dae, tl.trans(weT), PREC), dao, tl.trans(woT), PREC)
+    return dx, tl.sum(dae + dao, axis=1)
+
+
+@triton.jit
+def _grad_scale(scale, XPREC: tl.constexpr):
+    """What ``_feature_grad``'s dx is multiplied by to give dq (see there)."""
+    if XPREC == "bf16w3":
+        g = scale * 0.0 + 1.0
+    else:
+        g = scale
+    return g
 
 
 @triton.jit
@@ -112,33 +134,37 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
     tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
     q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
     qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)  # |k'|^2 / 2, once per chunk
     ee = tl.arange(0, BE)
     v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
     Pm = tl.where(tok[:, None] >= tok[None, :], _mm(dnum, tl.trans(v), PREC), 0.0)  # dnum_t . v_n, n <= t
+    pmh, pml = _split(Pm, PREC)  # split once, outside the block loop
+    dnh, dnl = _split(dnum, SPREC)
     dx = tl.zeros((C, BD), ACC)
     for i in range(0, tl.cdiv(P, BP)):
         p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)  # reloaded per block (cache hits): not live across
-        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
-        fe, fo, oqe, oqo = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR,
-                                  ACC, XPREC)
-        ke, ko, _, _ = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, True, FAVOR, ACC,
-                              XPREC)
+        e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)  # reloaded per block (cache hits): not live
+        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
+        fe, fo, oqe, oqo = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, False, FAVOR,
+                              ACC, XPREC)
+        ke, ko, _, _ = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, True, FAVOR,
+                              ACC, XPREC)
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         rke, rko = _rotate(ke, ko, cs, sn)
-        dre = _mma(_mm(dnum, tl.trans(h_e), SPREC), Pm, rke, PREC)
-        dro = _mma(_mm(dnum, tl.trans(h_o), SPREC), Pm, rko, PREC)
+        dre = _mma_split(_mma_split(tl.zeros_like(rke), dnh, dnl, tl.trans(h_e), SPREC), pmh, pml, rke, PREC)
+        dro = _mma_split(_mma_split(tl.zeros_like(rko), dnh, dnl, tl.trans(h_o), SPREC), pmh, pml, rko, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)  # R^T: rotate back
         dfe = dre + dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
         dfo = dro + dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
         if FAVOR:
-            dx, _ = _feature_grad(dx, dfe, dfo, fe, fo, oqe, oqo, weT, woT, PREC)
+            dx, _ = _feature_grad(dx, dfe, dfo, fe, fo, oqe, oqo, weT, woT, e1, e2, o1, o2, PREC, XPREC)
         else:
             _store_columns(dq_ptr, bh, N, m, tok, tmask, p, vale, valo, dfe, dfo, oqe, oqo)
     if FAVOR:
         dd = tl.arange(0, BD)
-        tl.store((dq_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], dx * scale,
+        tl.store((dq_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], dx * _grad_scale(scale, XPREC),
                  mask=tmask[:, None] & (dd[None, :] < d))
 
 
@@ -157,43 +183,47 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
     tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
     q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
     qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)  # |k'|^2 / 2, once per chunk
     ee = tl.arange(0, BE)
     v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
     later = tok[:, None] <= tok[None, :]  # [n, t]: t >= n
     Pt = tl.where(later, _mm(v, tl.trans(dnum), PREC), 0.0)  # v_n . dnum_t
+    pth, ptl = _split(Pt, PREC)  # split once, outside the block loop
     At = tl.zeros((C, C), ACC)
     dv = tl.zeros((C, BE), ACC)
     dx = tl.zeros((C, BD), ACC)
     dsum = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
         p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)  # reloaded per block (cache hits): not live across
-        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
-        fe, fo, _, _ = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR, ACC,
-                              XPREC)
-        ke, ko, oke, oko = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, True, FAVOR,
-                                  ACC, XPREC)
+        e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)  # reloaded per block (cache hits): not live
+        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
+        fe, fo, _, _ = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, False, FAVOR,
+                              ACC, XPREC)
+        ke, ko, oke, oko = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, True, FAVOR,
+                              ACC, XPREC)
         G_e, G_o, Z_e, Z_o = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
         At = _mma(_mma(At, rke, tl.trans(re), PREC), rko, tl.trans(ro), PREC)
         dv = _mma(_mma(dv, rke, G_e, SPREC), rko, G_o, SPREC)
-        dre = _mma(_mm(v, tl.trans(G_e), SPREC), Pt, re, PREC)
-        dro = _mma(_mm(v, tl.trans(G_o), SPREC), Pt, ro, PREC)
+        dre = _mma_split(_mm(v, tl.trans(G_e), SPREC), pth, ptl, re, PREC)
+        dro = _mma_split(_mm(v, tl.trans(G_o), SPREC), pth, ptl, ro, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)
         dke = dre + Z_e[None, :] + tl.cumsum(dden[:, None] * fe, axis=0, reverse=True)
         dko = dro + Z_o[None, :] + tl.cumsum(dden[:, None] * fo, axis=0, reverse=True)
         if FAVOR:
-            dx, si = _feature_grad(dx, dke, dko, ke, ko, oke, oko, weT, woT, PREC)
+            dx, si = _feature_grad(dx, dke, dko, ke, ko, oke, oko, weT, woT, e1, e2, o1, o2, PREC, XPREC)
             dsum += si
         else:
             _store_columns(dk_ptr, bh, N, m, tok, tmask, p, vale, valo, dke, dko, oke, oko)
+    v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)  # reloaded: not live
     dv = _mma(dv, tl.where(later, At, 0.0), dnum, PREC)
     vm = tmask[:, None] & (ee[None, :] < e)
     tl.store((dv_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], tl.where(real[:, None], dv, 0.0), mask=vm)
     if FAVOR:
         dd = tl.arange(0, BD)
         xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
-        tl.store((dk_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], (dx - xk * dsum[:, None]) * scale,
+        tl.store((dk_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], dx * _grad_scale(scale, XPREC) - xk * (dsum * scale)[:, None],
                  mask=tmask[:, None] & (dd[None, :] < d))

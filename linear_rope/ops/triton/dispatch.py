@@ -44,7 +44,8 @@ NUM_STAGES = 2  # the block loop's loads (projection rows, chunk states) pipelin
 NUM_WARPS = 4  # 128 threads per program: the chunk-parallel grid has NT x BH programs to fill the SMs
 CHUNK = 64  # tokens per chunk: 64-row tiles (sm_90's wgmma takes M = 64)
 PAIRS = 16  # rotation pairs per block of the chunk-parallel kernels (32 features: m = 266 is 9 blocks)
-STATE_PAIRS = 32  # and of the state passes (64 features x 64 values of state per program)
+STATE_PAIRS = 16  # and of the state passes (32 features x 32 values of state per program)
+STATE_VALUES = 32  # value columns per state-pass program (fewer registers, twice the programs on the serial part)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton releases the kernels are tested with (CI: the interpreter tests under both; the
 # ahead-of-time sm_80 / sm_90 builds under the oldest): older ones fall back, newer ones too
@@ -150,7 +151,7 @@ def pick_config(dtype: torch.dtype) -> dict:
     ``chunk`` (the chunk-parallel kernels): C = 64 tokens per chunk, BP = 16 rotation pairs per
     block (m = 266 is 133 pairs: 9 blocks, 8% padding), BD = BE = 64 (d and e padded to 64, the
     paper's head size; smaller heads pay for the padding), 4 warps, 2 stages. ``state`` (the
-    two state passes): the same chunks, blocks of 32 pairs and 64 value columns. ``qmax``: the
+    two state passes): the same chunks, blocks of 16 pairs and 32 value columns. ``qmax``: the
     stabiliser's kernel. The ahead-of-time builds (``aot.py``, docs/gpu.md) check these.
 
     GEMM precision (see ``kernels.py``): ``XPREC`` for the FAVOR+ exponent products, TF32x3
@@ -164,7 +165,7 @@ def pick_config(dtype: torch.dtype) -> dict:
     fx = "bf16w3" if dtype == torch.bfloat16 else xprec  # bf16 inputs: exact bf16 exponent products
     common = dict(C=CHUNK, BD=MAX_HEAD_DIM, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return dict(chunk=dict(common, BP=PAIRS, BE=MAX_HEAD_DIM, PREC=prec, SPREC=prec, XPREC=fx),
-                state=dict(common, BP=STATE_PAIRS, BV=MAX_HEAD_DIM, PREC=prec, SPREC=prec, XPREC=fx),
+                state=dict(common, BP=STATE_PAIRS, BV=STATE_VALUES, PREC=prec, SPREC=prec, XPREC=fx),
                 qmax=dict(common, BP=STATE_PAIRS, XPREC=xprec))
 
 

@@ -68,6 +68,32 @@ def _mma(acc, a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _split(a, PREC: tl.constexpr):
+    """An operand used in many products, split once: (bf16 hi, bf16 lo) for ``"bf16x3"``, else
+    (a, a). For ``_mma_split``: a loop then keeps two bf16 tiles, not the fp32 one and its split."""
+    if PREC == "bf16x3":
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        hi = a
+        lo = a
+    return hi, lo
+
+
+@triton.jit
+def _mma_split(acc, ah, al, b, PREC: tl.constexpr):
+    """``_mma(acc, a, b, PREC)`` for a given as ``_split(a, PREC)``."""
+    if PREC == "bf16x3":
+        bh = b.to(tl.bfloat16)
+        if b.dtype != tl.bfloat16:
+            acc = tl.dot(ah, (b - bh.to(tl.float32)).to(tl.bfloat16), acc)
+        acc = tl.dot(al, bh, acc)
+        return tl.dot(ah, bh, acc)
+    else:
+        return _mma(acc, ah, b, PREC)
+
+
+@triton.jit
 def _mm(a, b, PREC: tl.constexpr):
     """a @ b in precision PREC (``_mma`` into zeros)."""
     return _mma(tl.zeros((a.shape[0], b.shape[1]), a.dtype if a.dtype == tl.float64 else tl.float32), a, b, PREC)
@@ -147,6 +173,24 @@ def _x(row, tok, real, d, scale, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.
 
 
 @triton.jit
+def _xin(row, tok, real, d, scale, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
+    """What ``_exponent`` takes: x as stored (bf16) for ``"bf16w3"``, else x' = x d^(-1/4) (``_x``)."""
+    if XPREC == "bf16w3" and FAVOR:
+        dd = tl.arange(0, BD)
+        x = tl.load(row + tok[:, None] * d + dd[None, :], mask=real[:, None] & (dd[None, :] < d), other=0.0)
+    else:
+        x = _x(row, tok, real, d, scale, BD, FAVOR, ACC)
+    return x
+
+
+@triton.jit
+def _sq(row, tok, real, d, scale, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr):
+    """|x'|^2 / 2 `[C]` of the chunk's keys (FAVOR+; zeros for features in)."""
+    x = _x(row, tok, real, d, scale, BD, FAVOR, ACC)
+    return 0.5 * tl.sum(x * x, axis=1)
+
+
+@triton.jit
 def _shift(qmax_row, tok, tmask, FAVOR: tl.constexpr, ACC: tl.constexpr):
     """The query stabiliser of the chunk's tokens (FAVOR+), zeros for features in."""
     if FAVOR:
@@ -157,42 +201,56 @@ def _shift(qmax_row, tok, tmask, FAVOR: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _exponent3(xr, wp_ptr, col, cmask, m, d):
-    """x . (w_j d^(-1/4)) `[C, len(col)]` for bf16 x `[C, BD]` (exact in bf16) and the projection
-    rows ``col``, scaled and split in three bf16 pieces `[3, m, d]` (w1 + w2 + w3 is the fp32
-    value exactly): three bf16 tensor-core products, exact, summed in fp32, smallest first.
-    As accurate as TF32x3 on fp32 x', and half the operand registers."""
-    dd = tl.arange(0, xr.shape[1])
-    off = col[None, :] * d + dd[:, None]
-    msk = cmask[None, :] & (dd[:, None] < d)
-    acc = tl.zeros((xr.shape[0], col.shape[0]), tl.float32)
-    for piece in tl.static_range(2, -1, -1):
-        acc = tl.dot(xr, tl.load(wp_ptr + piece * m * d + off, mask=msk, other=0.0), acc)
-    return acc
+def _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC: tl.constexpr):
+    """The projection tiles the exponent products take, loaded once per block of pairs and shared
+    by queries and keys: for ``"bf16w3"`` the rows of w d^(-1/4) in three bf16 pieces
+    `[3, m, d]` (w1 + w2 + w3 is the fp32 value exactly), even and odd `[BD, BP]` each; else
+    ``_block``'s fp32 tiles (weT, ., ., woT, ., .)."""
+    if XPREC == "bf16w3":
+        dd = tl.arange(0, weT.shape[0])
+        off = (2 * p)[None, :] * d + dd[:, None]
+        me = vale[None, :] & (dd[:, None] < d)
+        mo = valo[None, :] & (dd[:, None] < d)
+        e1 = tl.load(wp_ptr + off, mask=me, other=0.0)
+        e2 = tl.load(wp_ptr + m * d + off, mask=me, other=0.0)
+        e3 = tl.load(wp_ptr + 2 * m * d + off, mask=me, other=0.0)
+        o1 = tl.load(wp_ptr + off + d, mask=mo, other=0.0)
+        o2 = tl.load(wp_ptr + m * d + off + d, mask=mo, other=0.0)
+        o3 = tl.load(wp_ptr + 2 * m * d + off + d, mask=mo, other=0.0)
+    else:
+        e1, e2, e3, o1, o2, o3 = weT, weT, weT, woT, woT, woT
+    return e1, e2, e3, o1, o2, o3
 
 
 @triton.jit
-def _feats(row, x, tok, real, p, vale, valo, weT, woT, c, shift, m, d, FLOOR, wp_ptr,
+def _exponent(x, w1, w2, w3, XPREC: tl.constexpr):
+    """x . w `[C, BP]`. ``"bf16w3"``: x raw bf16 (exact) times the three pieces of w d^(-1/4):
+    three bf16 tensor-core products, each exact, summed in fp32 smallest first (as accurate as
+    TF32x3, half the operand registers); else x' `[C, BD]` times w1 in ``_mm``'s precision."""
+    if XPREC == "bf16w3":
+        acc = tl.dot(x, w3, tl.zeros((x.shape[0], w1.shape[1]), tl.float32))
+        acc = tl.dot(x, w2, acc)
+        return tl.dot(x, w1, acc)
+    else:
+        return _mm(x, w1, XPREC)
+
+
+@triton.jit
+def _feats(row, x, sq, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, shift, m, FLOOR,
            IS_KEY: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
     """phi of the chunk's queries or keys for the block's pairs, even and odd halves `[C, BP]`
     (0 at padded pairs and masked tokens), and where the gradient passes (keys: where
-    floor <= exponent <= 0, as through torch's clamp). FAVOR+: from x' `[C, BD]`, exp(w . x'
-    + c - shift) with ``shift`` the query stabiliser `[C]`, or for keys exp(clamp(w . x' -
-    |x'|^2 / 2 + c, floor, 0)); w . x' in ``XPREC`` (``"bf16w3"``: ``_exponent3``). Features in:
-    the block's columns of ``row`` `[N, m]`."""
+    floor <= exponent <= 0, as through torch's clamp). FAVOR+: from ``x`` (``_xin``) and the
+    projection tiles (``_exp_weights``), exp(w . x' + c - shift) with ``shift`` the query
+    stabiliser `[C]`, or for keys exp(clamp(w . x' - sq + c, floor, 0)) with sq = |x'|^2 / 2
+    (``_sq``). Features in: the block's columns of ``row`` `[N, m]`."""
     fme = real[:, None] & vale[None, :]
     fmo = real[:, None] & valo[None, :]
     if FAVOR:
-        if XPREC == "bf16w3":  # bf16 inputs: raw x (exact in bf16) times w d^(-1/4) in three bf16 pieces
-            dd = tl.arange(0, x.shape[1])
-            xr = tl.load(row + tok[:, None] * d + dd[None, :], mask=real[:, None] & (dd[None, :] < d), other=0.0)
-            se = _exponent3(xr, wp_ptr, 2 * p, vale, m, d)
-            so = _exponent3(xr, wp_ptr, 2 * p + 1, valo, m, d)
-        else:
-            se = _mm(x, weT, XPREC)
-            so = _mm(x, woT, XPREC)
+        se = _exponent(x, e1, e2, e3, XPREC)
+        so = _exponent(x, o1, o2, o3, XPREC)
         if IS_KEY:
-            ck = 0.5 * tl.sum(x * x, axis=1)[:, None] + c[None, :]
+            ck = sq[:, None] + c[None, :]
             ae = se - ck
             ao = so - ck
             oke = fme & (ae >= FLOOR) & (ae <= 0.0)
@@ -295,15 +353,16 @@ def _state_kernel(k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, cos_ptr, sin_ptr, 
     scale = _scale(d, ACC)
     rotary, has_mask, has_state, has_out_state = _flags(FLAGS)
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
+    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
     vv = j * BV + tl.arange(0, BV)
     S_e, S_o, z_e, z_o = _load_pairs(s0_ptr, z0_ptr, bh, p, vale, valo, vv, m, e, has_state, ACC)
     k_row = k_ptr + bh * N * x_dim
     for ic in range(0, NT):
         _store_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, vv, m, e, S_e, S_o, z_e, z_o, True, j == 0)
         tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
-        xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
-        ke, ko, _, _ = _feats(k_row, xk, tok, real, p, vale, valo, weT, woT, c, km, m, d, FLOOR, wp_ptr, True, FAVOR, ACC,
-                              XPREC)
+        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
+        ke, ko, _, _ = _feats(k_row, xk, _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC), tok, real, p, vale, valo,
+                              e1, e2, e3, o1, o2, o3, c, km, m, FLOOR, True, FAVOR, ACC, XPREC)
         v = tl.load((v_ptr + bh * N * e) + tok[:, None] * e + vv[None, :], mask=real[:, None] & (vv[None, :] < e),
                     other=0.0)  # in the input dtype: exact operands (``_mma``)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
@@ -330,6 +389,7 @@ def _state_grad_kernel(q_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, s
     scale = _scale(d, ACC)
     rotary, has_mask, has_state, has_out_state = _flags(FLAGS)
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
+    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
     vv = j * BV + tl.arange(0, BV)
     G_e, G_o, Z_e, Z_o = _load_pairs(gS_ptr, gz_ptr, bh, p, vale, valo, vv, m, e, has_out_state, ACC)
     q_row = q_ptr + bh * N * x_dim
@@ -337,10 +397,10 @@ def _state_grad_kernel(q_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, s
         ic = NT - 1 - jc
         _store_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, vv, m, e, G_e, G_o, Z_e, Z_o, True, j == 0)
         tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
-        xq = _x(q_row, tok, real, d, scale, BD, FAVOR, ACC)
+        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
         qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
-        fe, fo, _, _ = _feats(q_row, xq, tok, real, p, vale, valo, weT, woT, c, qmax, m, d, FLOOR, wp_ptr, False, FAVOR, ACC,
-                              XPREC)
+        fe, fo, _, _ = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR,
+                              False, FAVOR, ACC, XPREC)
         dnum = tl.load((dnum_ptr + bh * N * e) + tok[:, None] * e + vv[None, :], mask=real[:, None] & (vv[None, :] < e),
                        other=0.0)
         dden = tl.load((dden_ptr + bh * N) + tok, mask=real, other=0.0)
