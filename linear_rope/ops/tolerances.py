@@ -40,18 +40,19 @@ def tolerance(dtype: torch.dtype) -> dict:
 def triton_tolerance(dtype: torch.dtype) -> dict:
     """The Triton kernels' tolerances (``kernels.py`` for the GEMM precisions). fp32 inputs run
     TF32x3 GEMMs (about fp32): float32's. fp16 inputs run TF32x3 too, so the torch path's
-    half tolerances. bf16 inputs run the FAVOR+ exponents in TF32x3 and the other GEMMs in
-    TF32 on rounded operands (relative round-off 2^-11 per operand, far below bf16's 2^-9):
-    an absolute term of 2^-10 x max covers the sums of those in the outputs, 2^-9 x max (half
-    a bf16 ulp of the largest element) in the gradients, whose sums cancel (dq, at the paper's
-    sizes: 1.25 x 2^-10 measured). Set from the tensor-core emulation (``emulation.py``) on the
-    CPU; not yet measured on a GPU."""
+    half tolerances. bf16 inputs: an absolute term of 2^-10 x max in the outputs and 2^-9 x max
+    (half a bf16 ulp of the largest element) in the gradients, whose sums cancel (dq, at the
+    paper's sizes). Set under the tensor-core emulation (``emulation.py``) for the sequential
+    kernels (TF32 on rounded operands) and kept for the chunk-parallel ones, whose products run
+    as three bf16 products of split operands (about 2^-17 per operand) and whose FAVOR+
+    exponents are exact bf16 products: their worst case under the emulation is 0.7x this
+    tolerance, where plain bf16 operands reached 1.5-2.9x (docs/gpu.md, "Precision"). Not yet measured on a GPU."""
     t = tolerance(dtype)
     if dtype != torch.bfloat16:
         return dict(t, why="TF32x3 GEMMs (about fp32): " + t["why"])
     return dict(t, atol=2.0 ** -10, grad_atol=2.0 ** -9,
-                why="TF32 GEMMs on operands rounded to nearest (2^-11 each; absolute 2^-10 x max, 2^-9 x max for "
-                    "gradients), exponents in TF32x3, then " + t["why"])
+                why="bf16 tensor-core products of split operands (about 2^-17 each; absolute 2^-10 x max, 2^-9 x "
+                    "max for gradients), exact bf16 exponent products, then " + t["why"])
 
 
 def check(fast: torch.Tensor, ref: torch.Tensor, tol: dict, grad: bool = False) -> dict:

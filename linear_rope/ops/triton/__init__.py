@@ -1,6 +1,8 @@
-"""Causal Eq. 19 / Eq. 18 as fused Triton kernels (the GPU path of ``rotary_linear_attention``).
+"""Causal Eq. 19 / Eq. 18 as chunked Triton kernels (the GPU path of ``rotary_linear_attention``).
 
-* ``kernels.py``  the ``@triton.jit`` kernels: FAVOR+ features, RoPE and the state on chip;
+* ``kernels.py``  the shared ``@triton.jit`` pieces (FAVOR+ features, RoPE, the GEMM precisions),
+                  the query stabiliser and the two serial state passes;
+* ``chunk_kernels.py`` the chunk-parallel output, dq and dk / dv kernels;
 * ``chunk.py``    their autograd Function and ``rotary_linear_attention`` (the op's signature);
 * ``dispatch.py`` ``supports`` (which calls the kernels take, and why not), ``should_use_triton``
                   (the ``LINEAR_ROPE_BACKEND`` switch), ``kernel_status`` (can they run here:

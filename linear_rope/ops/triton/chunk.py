@@ -1,4 +1,4 @@
-"""The Triton path of ``rotary_linear_attention``: causal Eq. 19 / Eq. 18 in fused kernels.
+"""The Triton path of ``rotary_linear_attention``: causal Eq. 19 / Eq. 18 in chunk-parallel kernels.
 
 ``rotary_linear_attention`` here has the public op's signature and return type for the subset
 that ``supports`` accepts (``causal=True``, FAVOR+ inside or features in, int or per-row
@@ -36,7 +36,8 @@ def _acc(cdt):
 
 
 def _safe(den):
-    return torch.where(den > 0, den, torch.ones_like(den))
+    """den where > 0, else 1 (no gradient flows there); NaN stays NaN, as on the torch path."""
+    return torch.where(den <= 0, torch.ones_like(den), den)
 
 
 def _ptrs(meta, names, like, *more):
