@@ -236,6 +236,15 @@ def _exponent(x, w1, w2, w3, XPREC: tl.constexpr):
 
 
 @triton.jit
+def _clamp(a, FLOOR):
+    """min(max(a, floor), 0) with NaN kept (as torch.clamp): the GPU's max.f32 and Triton 3.9's
+    interpreter return the other operand of a NaN by default, which would turn a NaN key
+    exponent into exp(floor)."""
+    a = tl.maximum(a, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _feats(row, x, sq, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, shift, m, FLOOR,
            IS_KEY: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
     """phi of the chunk's queries or keys for the block's pairs, even and odd halves `[C, BP]`
@@ -255,8 +264,8 @@ def _feats(row, x, sq, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, shif
             ao = so - ck
             oke = fme & (ae >= FLOOR) & (ae <= 0.0)
             oko = fmo & (ao >= FLOOR) & (ao <= 0.0)
-            fe = tl.where(fme, tl.exp(tl.minimum(tl.maximum(ae, FLOOR), 0.0)), 0.0)
-            fo = tl.where(fmo, tl.exp(tl.minimum(tl.maximum(ao, FLOOR), 0.0)), 0.0)
+            fe = tl.where(fme, tl.exp(_clamp(ae, FLOOR)), 0.0)
+            fo = tl.where(fmo, tl.exp(_clamp(ao, FLOOR)), 0.0)
         else:
             cq = c[None, :] - shift[:, None]
             fe = tl.where(fme, tl.exp(se + cq), 0.0)
