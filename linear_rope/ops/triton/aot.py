@@ -72,7 +72,7 @@ CHUNK_KERNELS = ("_out_kernel", "_dq_kernel", "_dkv_kernel")  # 64-row tiles: wg
 # passes' 16-pair tiles are narrower than wgmma's 64 rows: mma.sync)
 BF16_SPILLS: dict[tuple[str, str, bool], int] = {  # (arch, kernel, FAVOR+ inside) -> spill stores (B), Triton 3.6.0
     ("sm_90", "_out_kernel", True): 340, ("sm_90", "_out_kernel", False): 4,
-    ("sm_90", "_dq_kernel", True): 884,
+    ("sm_90", "_dq_kernel", True): 864,
     ("sm_90", "_dkv_kernel", True): 1120, ("sm_90", "_dkv_kernel", False): 60,
     ("sm_80", "_out_kernel", True): 596, ("sm_80", "_out_kernel", False): 292,
     ("sm_80", "_dq_kernel", True): 1836,
