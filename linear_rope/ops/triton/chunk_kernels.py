@@ -25,6 +25,41 @@ from .kernels import (_INTS, _block, _chunk, _exp_weights, _feats, _flags, _load
                       _shift, _split, _sq, _tables, _x, _xin)
 
 
+@triton.jit
+def _program(q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C: tl.constexpr, BD: tl.constexpr,
+             FAVOR: tl.constexpr, ACC: tl.constexpr):
+    """What every chunk-parallel program (chunk ic, row-head bh) starts from: its row-head's batch
+    row b, the number of chunks, d^(-1/4), the rotary flag, the chunk's tokens and masks, the
+    q / k rows, the query stabiliser and |k'|^2 / 2 of the chunk (once per chunk)."""
+    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    scale = _scale(d, ACC)
+    rotary, has_mask, _s0, _sT = _flags(FLAGS)
+    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
+    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
+    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
+    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)
+    return ic, bh, b, tl.cdiv(N, C), scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk
+
+
+@triton.jit
+def _block_feats(i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR,
+                 BP: tl.constexpr, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
+    """Block i of pairs in a chunk-parallel program: the block (``_block``), the exponent weights'
+    first two pieces (the feature gradients' operands), and phi(q), phi(k) with where their
+    gradients pass (``_feats``); x is reloaded per block (cache hits), so it is not live across
+    the block loop."""
+    p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
+    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+    xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
+    xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
+    fe, fo, oqe, oqo = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR,
+                              False, FAVOR, ACC, XPREC)
+    ke, ko, oke, oko = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR,
+                              True, FAVOR, ACC, XPREC)
+    return p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, oqe, oqo, ke, ko, oke, oko
+
+
 @triton.jit(do_not_specialize=_INTS)
 def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, h_ptr, hz_ptr, out_ptr,
                 den_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
@@ -32,28 +67,15 @@ def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
                 FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (c, bh): out `[BH, N, e]` and den `[BH, N]` of chunk c (den <= 0 is stored as 0 and
     divides by 1, as in ``naive.py``; NaN stays NaN)."""
-    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b = bh // H
-    NT = tl.cdiv(N, C)
-    scale = _scale(d, ACC)
-    rotary, has_mask, _s0, _sT = _flags(FLAGS)
-    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
-    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
-    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
-    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)  # |k'|^2 / 2, once per chunk
+    ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
+        q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
     A = tl.zeros((C, C), ACC)
     num = tl.zeros((C, BE), ACC)
     den = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-        e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
-        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)  # reloaded per block (cache hits): not live
-        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
-        fe, fo, _, _ = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, False, FAVOR,
-                              ACC, XPREC)
-        ke, ko, _, _ = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, True, FAVOR,
-                              ACC, XPREC)
+        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, _, _ = _block_feats(
+            i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         den += tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)),
                       axis=1)
@@ -126,15 +148,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
                C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (c, bh): dq of chunk c, `[BH, N, d]` (FAVOR+) or `[BH, N, m]` (features in)."""
-    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b = bh // H
-    NT = tl.cdiv(N, C)
-    scale = _scale(d, ACC)
-    rotary, has_mask, _s0, _sT = _flags(FLAGS)
-    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
-    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
-    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
-    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)  # |k'|^2 / 2, once per chunk
+    ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
+        q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
     v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
     Pm = tl.where(tok[:, None] >= tok[None, :], _mm(dnum, tl.trans(v), PREC), 0.0)  # dnum_t . v_n, n <= t
@@ -142,14 +157,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
     dnh, dnl = _split(dnum, SPREC)
     dx = tl.zeros((C, BD), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-        e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
-        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)  # reloaded per block (cache hits): not live
-        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
-        fe, fo, oqe, oqo = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, False, FAVOR,
-                              ACC, XPREC)
-        ke, ko, _, _ = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, True, FAVOR,
-                              ACC, XPREC)
+        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, oqe, oqo, ke, ko, _, _ = _block_feats(
+            i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         rke, rko = _rotate(ke, ko, cs, sn)
@@ -175,15 +184,8 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
                 FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (c, bh): dk (as dq) and dv `[BH, N, e]` of chunk c, given the later chunks' state
     gradients dh, dhz."""
-    ic, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b = bh // H
-    NT = tl.cdiv(N, C)
-    scale = _scale(d, ACC)
-    rotary, has_mask, _s0, _sT = _flags(FLAGS)
-    tok, tmask, km, real = _chunk(km_ptr + b * N, ic * C, N, has_mask, C, ACC)
-    q_row, k_row = q_ptr + bh * N * x_dim, k_ptr + bh * N * x_dim
-    qmax = _shift(qmax_ptr + bh * N, tok, tmask, FAVOR, ACC)
-    sqk = _sq(k_row, tok, real, d, scale, BD, FAVOR, ACC)  # |k'|^2 / 2, once per chunk
+    ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
+        q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
     v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
     later = tok[:, None] <= tok[None, :]  # [n, t]: t >= n
@@ -194,14 +196,8 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
     dx = tl.zeros((C, BD), ACC)
     dsum = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-        e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
-        xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)  # reloaded per block (cache hits): not live
-        xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
-        fe, fo, _, _ = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, False, FAVOR,
-                              ACC, XPREC)
-        ke, ko, oke, oko = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR, True, FAVOR,
-                              ACC, XPREC)
+        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, oke, oko = _block_feats(
+            i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
         G_e, G_o, Z_e, Z_o = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
