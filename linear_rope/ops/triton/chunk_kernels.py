@@ -50,7 +50,7 @@ def _block_feats(i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m,
     gradients pass (``_feats``); x is reloaded per block (cache hits), so it is not live across
     the block loop."""
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, FAVOR, XPREC)
     xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
     xk = _xin(k_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
     fe, fo, oqe, oqo = _feats(q_row, xq, qmax, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR,

@@ -201,12 +201,13 @@ def _shift(qmax_row, tok, tmask, FAVOR: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC: tl.constexpr):
+def _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, FAVOR: tl.constexpr, XPREC: tl.constexpr):
     """The projection tiles the exponent products take, loaded once per block of pairs and shared
     by queries and keys: for ``"bf16w3"`` the rows of w d^(-1/4) in three bf16 pieces
     `[3, m, d]` (w1 + w2 + w3 is the fp32 value exactly), even and odd `[BD, BP]` each; else
-    ``_block``'s fp32 tiles (weT, ., ., woT, ., .)."""
-    if XPREC == "bf16w3":
+    ``_block``'s fp32 tiles (weT, ., ., woT, ., .), also for features in (no projection: ``wp_ptr``
+    is then a one-element stand-in, never read)."""
+    if XPREC == "bf16w3" and FAVOR:
         dd = tl.arange(0, weT.shape[0])
         off = (2 * p)[None, :] * d + dd[:, None]
         me = vale[None, :] & (dd[:, None] < d)
@@ -362,7 +363,7 @@ def _state_kernel(k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, cos_ptr, sin_ptr, 
     scale = _scale(d, ACC)
     rotary, has_mask, has_state, has_out_state = _flags(FLAGS)
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, FAVOR, XPREC)
     vv = j * BV + tl.arange(0, BV)
     S_e, S_o, z_e, z_o = _load_pairs(s0_ptr, z0_ptr, bh, p, vale, valo, vv, m, e, has_state, ACC)
     k_row = k_ptr + bh * N * x_dim
@@ -398,7 +399,7 @@ def _state_grad_kernel(q_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, s
     scale = _scale(d, ACC)
     rotary, has_mask, has_state, has_out_state = _flags(FLAGS)
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
-    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, XPREC)
+    e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, FAVOR, XPREC)
     vv = j * BV + tl.arange(0, BV)
     G_e, G_o, Z_e, Z_o = _load_pairs(gS_ptr, gz_ptr, bh, p, vale, valo, vv, m, e, has_out_state, ACC)
     q_row = q_ptr + bh * N * x_dim
