@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx.save = lambda: _write(result, out)
     t_start = time.perf_counter()
     result: dict = {
-        "name": "gpu", "command": " ".join(["python -m benchmarks.gpu", *argv]), "quick": a.quick,
+        "name": out.stem, "command": " ".join(["python -m benchmarks.gpu", *argv]), "quick": a.quick,
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "budget_s": budget,
         "device": device_info(device), "tf32": a.tf32, "finished": False,
         "cpu_mode_note": None if device.type == "cuda" else

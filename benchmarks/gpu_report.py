@@ -68,7 +68,8 @@ def _speed(p: dict) -> list[str]:
                 + ", ".join(f"{n} {fmt(v) + ' s' if isinstance(v, float) else v}" for n, v in p["fla_warmup_s"].items()), ""]
     if p.get("memory"):
         out += [f"Peak memory: {p['memory']}", ""]
-    impls = list(p.get("impls", {}))
+    shown = ("ours_torch", "ours_triton", "ours_fla", "sdpa", "fla_chunk", "fla_fused_chunk", "performer")
+    impls = sorted(p.get("impls", {}), key=lambda i: shown.index(i) if i in shown else len(shown))  # not run order
     reasons: dict[str, list[int]] = {}
     for B, H in cfg.get("configs", []):
         table = []

@@ -232,7 +232,6 @@ def test_blocks_of_pairs_float64():
     _check(torch.float64, 150, 1e-10, m=70, offset=11)
 
 
-HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 # The half-precision cases, run with the GPU's tl.dot arithmetic (emulation.tensor_core_dots):
 # name -> (N, keywords). The paper's head sizes (d = 64, m = 266: exponents of realistic size,
 # nine blocks of 16 pairs, two chunks of 64) with every keyword the kernels take, and small sizes over 2-3 chunks.
@@ -308,11 +307,23 @@ def _check_on_tensor_cores(dtype, N, *, fused=True, rotary=True, seed=0, **kw):
             f"{name}: error {r['max_rel_to_max']:.2e} x max > {HALF_CONTRACT} x float32 rounded to {dtype} ({limit / 2:.2e})"
 
 
-@pytest.mark.parametrize("case", list(HALF_CASES))
-@pytest.mark.parametrize("dtype", HALF)
-def test_half_inputs_on_tensor_cores(dtype, case):
+# bf16 inputs run the default config (TF32x3 products, as fp16: ``dispatch.BF16_TENSOR_CORES``
+# is off since the first GPU run) on three cases, and the bf16 tensor-core config on all five
+BF16_DEFAULT_CASES = ("paper-mask", "small-state", "features-eq19")
+HALF_RUNS = [(dt, case, tc) for dt, tc in ((torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, True))
+             for case in HALF_CASES if tc or dt == torch.float16 or case in BF16_DEFAULT_CASES]
+
+
+@pytest.mark.parametrize("dtype, case, tensor_cores", HALF_RUNS,
+                         ids=[f"{str(d)[6:]}{'-tc' if t else ''}-{c}" for d, c, t in HALF_RUNS])
+def test_half_inputs_on_tensor_cores(dtype, case, tensor_cores, monkeypatch):
     """bf16 / fp16 inputs as the GPU computes them (TF32 truncation, TF32x3, exact half
-    products), against the float64 reference: the device tolerances and the 2x contract."""
+    products), against the float64 reference: the device tolerances and the 2x contract; bf16
+    in the default config and in the bf16 tensor-core one (bf16x3 / bf16w3 products)."""
+    from linear_rope.ops.triton import dispatch
+
+    monkeypatch.setattr(dispatch, "BF16_TENSOR_CORES", tensor_cores)
+    assert dispatch.pick_config(dtype)["chunk"]["PREC"].startswith("bf16") == tensor_cores
     N, kw = HALF_CASES[case]
     _check_on_tensor_cores(dtype, N, **dict(kw))
 
@@ -415,7 +426,7 @@ def test_aot_builds(aot_jobs):
     bf16 builds of the chunk-parallel kernels meet ``aot.BF16_TARGETS`` (2 blocks per SM, bf16
     tensor cores only) and spill no more than ``aot.BF16_SPILLS`` records (the 0-spill target
     is not met yet: a ratchet)."""
-    from linear_rope.ops.triton.aot import ARCHS, KERNELS, SM_LIMITS, bf16_misses, selected
+    from linear_rope.ops.triton.aot import ARCHS, KERNELS, SM_LIMITS, TC, bf16_misses, selected, variants
 
     rows = []
     for proc, path in aot_jobs:
@@ -423,10 +434,12 @@ def test_aot_builds(aot_jobs):
         assert path.is_file(), log[-3000:]
         rows += json.loads(path.read_text())
         assert proc.returncode == 0, log[-3000:]
-    built = {(r["arch"], r["kernel"], r["dtype"], r["favor"]) for r in rows}
-    want = {(f"sm_{a}", k, str(dt).removeprefix("torch."), f) for a in ARCHS for dt, _ in dispatch_configs()
-            for k, _, favors in KERNELS for f in favors if selected(a, str(dt).removeprefix("torch."), "ci")}
+    built = {(r["arch"], r["variant"], r["kernel"], r["dtype"], r["favor"]) for r in rows}
+    want = {(f"sm_{a}", var, k, str(dt).removeprefix("torch."), f) for a in ARCHS for var, dt, _ in variants()
+            for k, _, favors in KERNELS for f in favors if selected(a, var, "ci")}
     assert built == want
+    assert {dt for dt, _ in dispatch_configs()} <= {dt for var, dt, _ in variants() if var == "default"}
+    assert sum(r["variant"] == TC and r["kernel"] != "_qmax_kernel" for r in rows) == 20  # judged: 2 archs x 10
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     for r in rows:
@@ -445,7 +458,8 @@ def test_bf16_targets_fail_a_build_that_breaks_them():
     instructions, more spills than recorded; other dtypes and the stabiliser are not judged."""
     from linear_rope.ops.triton.aot import BF16_SPILLS, bf16_misses
 
-    good = dict(kernel="_out_kernel", dtype="bfloat16", favor=True, arch="sm_90", ok=True, shared_bytes=1,
+    good = dict(kernel="_out_kernel", dtype="bfloat16", variant="bf16_tensor_cores", favor=True, arch="sm_90",
+                ok=True, shared_bytes=1,
                 blocks_per_sm=2, spill_store_bytes=BF16_SPILLS[("sm_90", "_out_kernel", True)],
                 instructions={"wgmma.bf16": 8})
     assert bf16_misses(good) == []
@@ -457,6 +471,7 @@ def test_bf16_targets_fail_a_build_that_breaks_them():
         assert any(what in m for m in miss), (what, miss)
     assert bf16_misses(dict(good, kernel="_state_kernel", spill_store_bytes=4)) == ["spills 4 B > 0 B"]
     assert bf16_misses(dict(good, dtype="float32", blocks_per_sm=1)) == []
+    assert bf16_misses(dict(good, variant="default", instructions={"wgmma.tf32": 8})) == []  # TF32x3 bf16 default
     assert bf16_misses(dict(good, kernel="_qmax_kernel", instructions={"wgmma.tf32": 1})) == []
 
 

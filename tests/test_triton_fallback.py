@@ -87,6 +87,24 @@ def test_the_simulated_gpu_takes_the_kernels(gpu, capsys):
     assert not capsys.readouterr().err and not dispatch.fallbacks()
 
 
+def test_auto_takes_the_torch_path_above_the_measured_size(gpu, capsys, monkeypatch):
+    """``auto`` takes the kernels up to ``AUTO_KERNEL_ROWS`` query rows (B*H*N), where a GPU
+    measured them faster, and the torch path above (no warning: a choice, not a fallback);
+    forcing ``triton`` still takes them."""
+    (q, k, v), kw = _case()  # B*H*N = 148
+    monkeypatch.setattr(dispatch, "AUTO_KERNEL_ROWS", 148)
+    with dispatch.record_paths() as paths:
+        linear_rope.rotary_linear_attention(q, k, v, **kw)
+        monkeypatch.setattr(dispatch, "AUTO_KERNEL_ROWS", 147)
+        out, _ = linear_rope.rotary_linear_attention(q, k, v, **kw)
+        with dispatch.use_backend("triton"):
+            linear_rope.rotary_linear_attention(q, k, v, **kw)
+    assert paths[0].startswith("triton kernels") and paths[2].startswith("triton kernels")
+    assert paths[1] == "torch path (auto: B*H*N = 148 > 147, where a GPU measured it faster)"
+    assert len(gpu) == 2 and not capsys.readouterr().err and not dispatch.fallbacks()
+    torch.testing.assert_close(out, naive_rotary_linear_attention(q, k, v, **kw)[0], rtol=1e-10, atol=1e-10)
+
+
 def _break_triton(monkeypatch):
     """Triton installed but broken, as a wheel built for another CUDA or Python is: found, and
     ``import triton`` raises."""

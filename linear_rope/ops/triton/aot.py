@@ -81,9 +81,13 @@ BF16_SPILLS: dict[tuple[str, str, bool], int] = {  # (arch, kernel, FAVOR+ insid
 }
 
 
+TC = "bf16_tensor_cores"  # the variant of the builds the targets judge (``dispatch.BF16_TENSOR_CORES``)
+
+
 def bf16_misses(row: dict) -> list[str]:
-    """The targets a bf16 build of the chunk-parallel kernels misses ([] for other builds)."""
-    if row.get("dtype") != "bfloat16" or row.get("kernel") == "_qmax_kernel":
+    """The targets a bf16 tensor-core build of the chunk-parallel kernels misses ([] for other
+    builds: the default configs, which take TF32x3 products for every dtype, are not judged)."""
+    if row.get("dtype") != "bfloat16" or row.get("variant") != TC or row.get("kernel") == "_qmax_kernel":
         return []
     if not row.get("ok") or "shared_bytes" not in row:
         return [row.get("error", "did not build")]
@@ -102,17 +106,27 @@ def bf16_misses(row: dict) -> list[str]:
     return miss
 
 
+def variants():
+    """(variant, input dtype, config): every config the dispatch can pick on CUDA ("default"), and
+    the bf16 tensor-core config that ``dispatch.BF16_TENSOR_CORES`` switches on (``TC``)."""
+    import torch
+
+    from .dispatch import dispatch_configs, pick_config
+
+    return [("default", dt, cfg) for dt, cfg in dispatch_configs()] + \
+        [(TC, torch.bfloat16, pick_config(torch.bfloat16, bf16_tensor_cores=True))]
+
+
 def _builds():
-    """(name, JITFunction, input dtype name, FAVOR, config) for every kernel the dispatch can launch."""
+    """(variant, name, JITFunction, input dtype name, FAVOR, config) for every kernel of ``variants``."""
     from . import chunk_kernels as CK
     from . import kernels as K
-    from .dispatch import dispatch_configs
 
-    for dtype, cfg in dispatch_configs():
+    for variant, dtype, cfg in variants():
         dt = str(dtype).removeprefix("torch.")
         for name, part, favors in KERNELS:
             for favor in favors:
-                yield name, getattr(K, name, None) or getattr(CK, name), dt, favor, cfg[part]
+                yield variant, name, getattr(K, name, None) or getattr(CK, name), dt, favor, cfg[part]
 
 
 def compile_one(fn, dtype: str, favor: bool, cfg: dict, arch: int = 90):
@@ -145,10 +159,10 @@ def compile_one(fn, dtype: str, favor: bool, cfg: dict, arch: int = 90):
     return kernel, log.getvalue()
 
 
-def selected(arch: int, dtype: str, builds: str = "all") -> bool:
-    """``builds="ci"``: every dtype on sm_90, bf16 only on sm_80 (the targets' builds, in CI's
-    time); "all": everything."""
-    return builds == "all" or arch == 90 or dtype == "bfloat16"
+def selected(arch: int, variant: str, builds: str = "all") -> bool:
+    """``builds="ci"``: every build on sm_90, on sm_80 the bf16 tensor-core ones only (the
+    targets' builds, in CI's time); "all": everything."""
+    return builds == "all" or arch == 90 or variant == TC
 
 
 def run(only: str | None = None, shard: tuple[int, int] = (0, 1), archs=ARCHS, builds: str = "all") -> list[dict]:
@@ -157,11 +171,11 @@ def run(only: str | None = None, shard: tuple[int, int] = (0, 1), archs=ARCHS, b
     import triton
 
     rows = []
-    jobs = [(arch, *b) for arch in archs for b in _builds() if selected(arch, b[2], builds)]
-    for j, (arch, name, fn, dtype, favor, cfg) in enumerate(jobs):
+    jobs = [(arch, *b) for arch in archs for b in _builds() if selected(arch, b[0], builds)]
+    for j, (arch, variant, name, fn, dtype, favor, cfg) in enumerate(jobs):
         if (only and dtype != only) or j % shard[1] != shard[0]:
             continue
-        row = dict(kernel=name, dtype=dtype, favor=favor, arch=f"sm_{arch}", triton=triton.__version__,
+        row = dict(kernel=name, dtype=dtype, variant=variant, favor=favor, arch=f"sm_{arch}", triton=triton.__version__,
                    config={k: v for k, v in cfg.items() if k != "num_warps"} | {"num_warps": cfg["num_warps"]})
         t = time.perf_counter()
         try:
@@ -193,7 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, action="append", choices=ARCHS,
                     help="compute capability to build for (repeatable; default: all of 80, 90)")
     ap.add_argument("--builds", choices=("all", "ci"), default="all",
-                    help="ci: every dtype on sm_90, bf16 only on sm_80 (what the test suite builds)")
+                    help="ci: every build on sm_90, the bf16 tensor-core ones on sm_80 (what the test suite builds)")
     args = ap.parse_args(argv)
     try:
         shard = tuple(int(x) for x in args.shard.split("/"))
@@ -215,7 +229,8 @@ def main(argv=None) -> int:
                 f"{r['spill_load_bytes']} B, {r['blocks_per_sm']} blocks/SM; {ins}" if "shared_bytes" in r else r["error"])
         miss = bf16_misses(r)
         what += f"; bf16 targets missed: {'; '.join(miss)}" if miss else ""
-        print(f"{r['arch']} {r['kernel']:<13} {r['dtype']:<9} favor={r['favor']!s:<5} {what}  ({r['seconds']} s)")
+        tag = r["dtype"] + ("/tc" if r["variant"] == TC else "")
+        print(f"{r['arch']} {r['kernel']:<13} {tag:<12} favor={r['favor']!s:<5} {what}  ({r['seconds']} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -5,7 +5,8 @@ cannot run. Imports Triton only when a call could take the kernels.
 ``force`` (``"torch"``, ``"triton"``, ``"auto"``), else the ``LINEAR_ROPE_BACKEND`` environment
 variable, else ``"auto"``.
 
-* ``auto`` takes the kernels for CUDA tensors where they can run: Triton imports, its version
+* ``auto`` takes the kernels for CUDA tensors of at most ``AUTO_KERNEL_ROWS`` query rows (B * H * N:
+  above that a GPU measured the torch path faster) where they can run: Triton imports, its version
   is one this project tested (``TRITON_TESTED``), the GPU's compute capability is one the
   kernels were built and checked for (``CAPABILITIES``: the sm_80 and sm_90 builds of
   ``aot.py``) and ``supports`` accepts the call. Where Triton is installed but fails one of
@@ -17,8 +18,8 @@ variable, else ``"auto"``.
   tried when forced.
 * ``torch`` never takes them.
 * ``fla`` takes neither: the op sends every call to the fla-core path (``ops/fla_path.py``),
-  which raises with the reason for a call it does not take. ``auto`` never picks fla: until a GPU
-  measures both, the CUDA default stays the Triton kernels (docs/gpu.md, "Cost model").
+  which raises with the reason for a call it does not take. ``auto`` never picks fla: no GPU has
+  timed it yet (the first run's op-speed part ran out of time before its cells).
 
 ``record_paths`` collects the path each call takes (the trainer names it in its first lines).
 """
@@ -33,9 +34,10 @@ import sys
 
 import torch
 
-__all__ = ["BACKENDS", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES", "MAX_HEAD_DIM", "TRITON_TESTED", "KernelError",
-           "record_paths", "dispatch_configs", "fallback", "fallbacks", "kernel_status", "pick_config",
-           "should_use_triton", "supports", "triton_available", "use_backend"]
+__all__ = ["AUTO_KERNEL_ROWS", "BACKENDS", "BF16_TENSOR_CORES", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES",
+           "MAX_HEAD_DIM", "TRITON_TESTED", "KernelError", "record_paths", "dispatch_configs", "fallback",
+           "fallbacks", "kernel_status", "pick_config", "should_use_triton", "supports", "triton_available",
+           "use_backend"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton", "fla")
@@ -144,7 +146,21 @@ def fallbacks() -> dict[str, int]:
     return dict(_FALLBACKS)
 
 
-def pick_config(dtype: torch.dtype) -> dict:
+# ``auto`` takes the kernels on CUDA up to this many query rows (B * H * N), the largest size a GPU
+# measured them faster at: on the H200 (benchmarks/results/h200), B = 1, H = 12, N = 1024, bf16,
+# fwd+bwd took 3.30 ms on the kernels, 11.2 ms on the torch path; the `paper` preset's training
+# step (B * H * N = 16 * 12 * 1024) ran 1.29x faster on the torch path (91146 vs 70589
+# tokens/s). Between the two sizes nothing was measured yet.
+AUTO_KERNEL_ROWS = 12 * 1024
+
+# bf16 inputs on bf16 tensor cores ("bf16x3" / "bf16w3"): the first GPU run (an H200, Triton 3.6.0,
+# benchmarks/results/gpu_triage.json) met an illegal memory access in the dk, dv kernel (and in
+# the dq kernel with plain bf16 products) where every fp32 config passed; until a bf16
+# tensor-core build passes on a GPU, bf16 inputs take fp16's TF32x3 config (exact, slower).
+BF16_TENSOR_CORES = False
+
+
+def pick_config(dtype: torch.dtype, *, bf16_tensor_cores: bool | None = None) -> dict:
     """The kernels' launch parameters: one config per input dtype, chosen here on the CPU (no
     autotune, so the interpreter and the ahead-of-time builds see exactly what runs).
 
@@ -160,9 +176,11 @@ def pick_config(dtype: torch.dtype) -> dict:
     fp32 inputs (fp16 carries TF32's 10 mantissa bits, so TF32 round-off in the products
     doubled its error: 4x float32-rounded-to-fp16 in dk, dv under the emulation); float64 (the
     interpreter only) runs "ieee"."""
-    prec = {torch.float16: "tf32x3", torch.bfloat16: "bf16x3", torch.float32: "tf32x3"}.get(dtype, "ieee")
+    tc = BF16_TENSOR_CORES if bf16_tensor_cores is None else bf16_tensor_cores
+    bf16 = "bf16x3" if tc else "tf32x3"
+    prec = {torch.float16: "tf32x3", torch.bfloat16: bf16, torch.float32: "tf32x3"}.get(dtype, "ieee")
     xprec = "tf32x3" if dtype in GPU_DTYPES else "ieee"
-    fx = "bf16w3" if dtype == torch.bfloat16 else xprec  # bf16 inputs: exact bf16 exponent products
+    fx = "bf16w3" if dtype == torch.bfloat16 and tc else xprec  # bf16 tensor cores: exact bf16 exponent products
     common = dict(C=CHUNK, BD=MAX_HEAD_DIM, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return dict(chunk=dict(common, BP=PAIRS, BE=MAX_HEAD_DIM, PREC=prec, SPREC=prec, XPREC=fx),
                 state=dict(common, BP=STATE_PAIRS, BV=STATE_VALUES, PREC=prec, SPREC=prec, XPREC=fx),
@@ -267,6 +285,9 @@ def _decide(q, k, v, force, kwargs) -> tuple[bool, str]:
         return False, f"torch path ({why})"
     if name == "auto" and not _on_gpu(q):
         return False, f"torch path (tensors on {q.device.type}: the kernels run on CUDA)"
+    rows = q.shape[:-1].numel()
+    if name == "auto" and rows > AUTO_KERNEL_ROWS:
+        return False, f"torch path (auto: B*H*N = {rows} > {AUTO_KERNEL_ROWS}, where a GPU measured it faster)"
     ready, why = kernel_status(q.device if _on_gpu(q) else None, forced=name == "triton")
     if not ready:
         if name == "triton":
