@@ -85,12 +85,15 @@ def child(name: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--case")
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--case", help="run this one case here (what each child process does)")
     p.add_argument("--out", default="triage.json")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     p.add_argument("--timeout-s", type=float, default=170)
     a = p.parse_args()
+    bad = [c for c in ([a.case] if a.case else a.cases.split(",")) if c not in CASES]
+    if bad:
+        p.error(f"unknown case(s) {bad}; choose from {', '.join(CASES)}")
     if a.case:
         child(a.case)
         return 0
