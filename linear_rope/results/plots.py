@@ -425,7 +425,8 @@ def _max_rise(curve: list[tuple[int, float]]) -> float:
 
 
 TARGET_VAL_BPC = 2.0  # issue 24's target for the best linear variant (mean of 3 seeds)
-PAIRS = (("rope", "rope_pre"), ("rope_norm", "rope_pre"), ("none", "rope_pre"))
+PAIRS = (("rope", "rope_pre"), ("rope_norm", "rope_pre"), ("none", "rope_pre"),
+         ("rope", "none"), ("rope_pre", "none"), ("rope_norm", "none"))
 
 
 def _paired(variants: dict) -> dict:
