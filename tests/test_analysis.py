@@ -192,9 +192,12 @@ def test_plots_all_writes_every_file(tmp_path, corpus):
     assert rope["max_val_rise"][1] == pytest.approx(max(vals[1] - vals[0], 0.0))
     assert (f"| `rope` | 1 | {rope['final_val_bpc']['values'][1]:.3f} | {rope['test_bpc_per_seed'][1]:.3f} | "
             f"{best[1]:.3f} ({best[0]}) | {rope['max_val_rise'][1]:.3f} | 0 |") in table
-    # the anchor: every variant against softmax, seed by seed
+    # the anchor: every variant against softmax, seed by seed; and against none
     paired = summary["paired_final_val_bpc"]
-    assert set(paired) == {"rope - softmax", "rope_norm - softmax", "none - softmax"}
+    assert set(paired) == {"rope - softmax", "rope_norm - softmax", "none - softmax", "rope - none", "rope_norm - none"}
+    nn = summary["variants"]["none"]["final_val_bpc"]["values"]
+    assert paired["rope_norm - none"]["values"] == pytest.approx(
+        [a - b for a, b in zip(summary["variants"]["rope_norm"]["final_val_bpc"]["values"], nn)])
     soft = summary["variants"]["softmax"]["final_val_bpc"]["values"]
     diffs = [a - b for a, b in zip(rope["final_val_bpc"]["values"], soft)]
     assert paired["rope - softmax"]["values"] == pytest.approx(diffs) and paired["rope - softmax"]["seeds"] == [0, 1]
