@@ -439,7 +439,7 @@ def test_aot_builds(aot_jobs):
             for k, _, favors in KERNELS for f in favors if selected(a, var, "ci")}
     assert built == want
     assert {dt for dt, _ in dispatch_configs()} <= {dt for var, dt, _ in variants() if var == "default"}
-    assert sum(r["variant"] == TC and r["kernel"] != "_qmax_kernel" for r in rows) == 20  # judged: 2 archs x 10
+    assert sum(r["variant"] == TC and r["kernel"] != "_qmax_kernel" for r in rows) == 24  # judged: 2 archs x 12
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     for r in rows:

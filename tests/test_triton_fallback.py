@@ -174,12 +174,12 @@ class _OutOfSharedMemory:
         return launch
 
 
-@pytest.mark.parametrize("kernel", ["_out_kernel", "_dkv_kernel"])
+@pytest.mark.parametrize("kernel", ["_out_kernel", "_dv_kernel"])
 def test_kernel_that_fails_to_launch(gpu, capsys, monkeypatch, kernel):
     """Forward: the call takes the torch path. Backward (the forward ran on the kernels): the
     gradients come from the torch path, recomputed from the saved inputs."""
     monkeypatch.setattr(CK, kernel, _OutOfSharedMemory())
-    what = "the output kernel" if kernel == "_out_kernel" else "the dk, dv kernel"
+    what = "the output kernel" if kernel == "_out_kernel" else "the dv kernel"
     _run_and_compare(capsys, f"{what} failed to build or launch (OutOfResources")
     assert gpu
 

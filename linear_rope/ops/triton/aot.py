@@ -8,7 +8,8 @@ Builds each kernel with ``triton.compile(ASTSource(...), target=GPUTarget("cuda"
 those and the SM's limits, ``SM_LIMITS``), and the matrix instructions of its PTX: how many
 ``mma`` / ``wgmma`` of which operand types, and how many ``cvt.rna.tf32`` (a TF32 ``mma``
 without them truncates its fp32 operands). The launch signature is
-the one the wrapper gives at run time: q, k, v in the input dtype, every other tensor float32,
+the one the wrapper gives at run time: q, k, v in the input dtype, the projection's bf16 pieces
+and (bf16 tensor cores) the gradient kernels' dnum pieces in bf16, every other tensor float32,
 every pointer 16-byte aligned (torch's allocations are), the integer arguments unspecialised
 (``do_not_specialize`` in ``kernels.py``), so these are the binaries a launch would build.
 Exit 1 if a kernel fails to build or needs more shared memory than an H100 block has.
@@ -59,7 +60,8 @@ def matrix_instructions(ptx: str) -> dict:
 
 KERNELS = (("_qmax_kernel", "qmax", (True,)), ("_state_kernel", "state", (True, False)),
            ("_state_grad_kernel", "state", (True, False)), ("_out_kernel", "chunk", (True, False)),
-           ("_dq_kernel", "chunk", (True, False)), ("_dkv_kernel", "chunk", (True, False)))
+           ("_dq_kernel", "chunk", (True, False)), ("_dk_kernel", "chunk", (True, False)),
+           ("_dv_kernel", "chunk", (True, False)))
 
 
 # The targets of the chunk-parallel kernels' bf16 builds (every kernel but ``_qmax_kernel``): at
@@ -68,15 +70,14 @@ KERNELS = (("_qmax_kernel", "qmax", (True,)), ("_state_kernel", "state", (True, 
 # spill stores each build has today (Triton 3.6.0; docs/gpu.md), and ``bf16_misses`` fails a
 # build that spills more (a ratchet towards 0), or misses another target.
 BF16_TARGETS = dict(blocks_per_sm=2, spill_store_bytes=0)
-CHUNK_KERNELS = ("_out_kernel", "_dq_kernel", "_dkv_kernel")  # 64-row tiles: wgmma on sm_90 (the state
+CHUNK_KERNELS = ("_out_kernel", "_dq_kernel", "_dk_kernel", "_dv_kernel")  # 64-row tiles: wgmma on sm_90 (the state
 # passes' 16-pair tiles are narrower than wgmma's 64 rows: mma.sync)
 BF16_SPILLS: dict[tuple[str, str, bool], int] = {  # (arch, kernel, FAVOR+ inside) -> spill stores (B), Triton 3.6.0
-    ("sm_90", "_out_kernel", True): 340, ("sm_90", "_out_kernel", False): 4,
-    ("sm_90", "_dq_kernel", True): 864,
-    ("sm_90", "_dkv_kernel", True): 1120, ("sm_90", "_dkv_kernel", False): 60,
-    ("sm_80", "_out_kernel", True): 596, ("sm_80", "_out_kernel", False): 292,
-    ("sm_80", "_dq_kernel", True): 1836,
-    ("sm_80", "_dkv_kernel", True): 2728, ("sm_80", "_dkv_kernel", False): 1200,
+    ("sm_90", "_out_kernel", True): 68, ("sm_90", "_out_kernel", False): 4,
+    ("sm_90", "_dq_kernel", True): 820, ("sm_90", "_dk_kernel", True): 564,
+    ("sm_80", "_out_kernel", True): 440, ("sm_80", "_out_kernel", False): 292,
+    ("sm_80", "_dq_kernel", True): 1196, ("sm_80", "_dk_kernel", True): 1172,
+    ("sm_80", "_dv_kernel", True): 188, ("sm_80", "_dv_kernel", False): 180,
     ("sm_80", "_state_kernel", True): 4, ("sm_80", "_state_grad_kernel", True): 40,
 }
 
@@ -145,8 +146,10 @@ def compile_one(fn, dtype: str, favor: bool, cfg: dict, arch: int = 90):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
+            split_dnum = (name == "dnum_ptr" and "dS0_ptr" not in fn.arg_names  # the chunk kernels' dnum: two
+                          and cfg.get("SPREC") == "bf16x3")  # bf16 pieces (not the state pass's)
             sig[name] = (f"*{_TL[dtype]}" if name in ("q_ptr", "k_ptr", "v_ptr") else
-                         "*bf16" if name == "wp_ptr" else "*fp32")
+                         "*bf16" if name == "wp_ptr" or split_dnum else "*fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name == "FLOOR" else "i32"

@@ -62,7 +62,8 @@ class _TritonCausal(torch.autograd.Function):
     Forward: the query stabiliser, the state pass (the state before every chunk, h `[BH, NT, m,
     e]` and hz `[BH, NT, m]`), then the chunk-parallel outputs. Saved for the backward: q, k, v,
     the initial state, out, den and the chunk states (the features are recomputed). Backward:
-    the reverse state pass (dh, dhz), then dq and (dk, dv) chunk-parallel."""
+    the reverse state pass (dh, dhz), then dq, dk and dv chunk-parallel (for bf16 tensor cores
+    dnum reaches them split into two bf16 pieces, once, here)."""
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, meta):
@@ -117,15 +118,22 @@ class _TritonCausal(torch.autograd.Function):
         dh, dhz = torch.empty_like(h), torch.empty_like(hz)
         sc, cc = cfg["state"], cfg["chunk"]
         names = ("w", "wp", "c", "km", "qmax", "cos", "sin")
+        dn = dnum  # the chunk kernels' dnum: for bf16 tensor cores its two bf16 pieces [2, BH, N, e]
+        if cc["SPREC"] == "bf16x3":
+            hi = dnum.to(torch.bfloat16)
+            dn = torch.stack([hi, (dnum - hi.to(dnum.dtype)).to(torch.bfloat16)])
         try:
             _launch("the state-gradient kernel", K._state_grad_kernel, (-(-P // sc["BP"]), -(-e // sc["BV"]), BH),
                     q, *_ptrs(meta, names, v, dnum, dden, gS, gz, dh, dhz, dS0, dz0), *meta["dims"],
                     _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **sc)
             _launch("the dq kernel", CK._dq_kernel, (NT, BH),
-                    q, k, v, *_ptrs(meta, names, v, h, hz, dnum, dden, dq), *meta["dims"],
+                    q, k, v, *_ptrs(meta, names, v, h, hz, dn, dden, dq), *meta["dims"],
                     _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
-            _launch("the dk, dv kernel", CK._dkv_kernel, (NT, BH),
-                    q, k, v, *_ptrs(meta, names, v, dh, dhz, dnum, dden, dk, dv), *meta["dims"],
+            _launch("the dk kernel", CK._dk_kernel, (NT, BH),
+                    q, k, v, *_ptrs(meta, names, v, dh, dhz, dn, dden, dk), *meta["dims"],
+                    _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
+            _launch("the dv kernel", CK._dv_kernel, (NT, BH),
+                    q, k, v, *_ptrs(meta, names, v, dh, dhz, dn, dden, dv), *meta["dims"],
                     _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
         except KernelError as err:
             if meta["forced"]:

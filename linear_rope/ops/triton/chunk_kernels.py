@@ -10,9 +10,14 @@ outputs is written:
 * ``_dq_kernel``: dq from dnum . h^T, the intra-chunk (dnum v^T) R phi(k), and the denominator;
   through RoPE back and through the FAVOR+ exponent (dq = (dphi * phi) w d^(-1/4), summed over
   the blocks), or stored per feature for features in.
-* ``_dkv_kernel``: dv = sum over blocks of R phi(k) dh + A^T dnum; dk from v dh^T, the
-  intra-chunk (v dnum^T) R phi(q) and the denominator's suffix sums, through RoPE and the
-  clamped key exponent.
+* ``_dk_kernel``: dk from v dh^T, the intra-chunk (v dnum^T) R phi(q) and the denominator's
+  suffix sums, through RoPE and the clamped key exponent.
+* ``_dv_kernel``: dv = sum over blocks of R phi(k) dh + A^T dnum (dk and dv in two kernels:
+  together they did not fit the registers of two blocks per SM).
+
+On the bf16 tensor-core path every transposed ``tl.dot`` operand is a 16-bit tile (loaded, or
+rounded / split to bf16 first), so the transpose is a view of it in shared memory, never a
+register shuffle of a product's fp32 result (``kernels._mma_nt``, ``kernels._mma_tn``).
 
 Shared pieces and precisions: ``kernels.py``.
 """
@@ -21,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import (_INTS, _block, _chunk, _exp_weights, _feats, _flags, _load_pairs, _mm, _mma, _mma_split, _rotate, _scale,
-                      _shift, _split, _sq, _tables, _x, _xin)
+from .kernels import (_INTS, _block, _chunk, _exp_weights, _feats, _flags, _load_pairs, _mma, _mma_bsplit,
+                      _mma_nt, _mma_split, _rotate, _scale, _shift, _split, _sq, _tables, _x, _xin)
 
 
 @triton.jit
@@ -60,6 +65,20 @@ def _block_feats(i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m,
     return p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, oqe, oqo, ke, ko, oke, oko
 
 
+@triton.jit
+def _den_block(fe, fo, ke, ko, z_e, z_o, causal, FAVOR: tl.constexpr, PREC: tl.constexpr):
+    """A block's share of den `[C]`: phi(q_t) . (hz + sum_{n <= t} phi(k_n)). FAVOR+: the
+    intra-chunk part as the row sums of the causal unrotated scores phi(q) phi(k)^T, in
+    tensor-core products (fewer live registers than a scan beside the exponent products); a NaN
+    key reaches only the later tokens, as through a cumulative sum. Features in: the scan."""
+    if FAVOR:
+        D = _mma_nt(_mma_nt(tl.zeros((fe.shape[0], ke.shape[0]), fe.dtype), fe, ke, PREC), fo, ko, PREC)
+        den = tl.sum(fe * z_e[None, :] + fo * z_o[None, :], axis=1) + tl.sum(tl.where(causal, D, 0.0), axis=1)
+    else:
+        den = tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)), axis=1)
+    return den
+
+
 @triton.jit(do_not_specialize=_INTS)
 def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, h_ptr, hz_ptr, out_ptr,
                 den_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
@@ -70,6 +89,7 @@ def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
     ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
         q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
+    causal = tok[:, None] >= tok[None, :]
     A = tl.zeros((C, C), ACC)
     num = tl.zeros((C, BE), ACC)
     den = tl.zeros((C,), ACC)
@@ -77,16 +97,15 @@ def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
         p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, _, _ = _block_feats(
             i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
-        den += tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)),
-                      axis=1)
+        den += _den_block(fe, fo, ke, ko, z_e, z_o, causal, FAVOR, PREC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
-        A = _mma(_mma(A, re, tl.trans(rke), PREC), ro, tl.trans(rko), PREC)
+        A = _mma_nt(_mma_nt(A, re, rke, PREC), ro, rko, PREC)
         num = _mma(_mma(num, re, h_e, SPREC), ro, h_o, SPREC)
     vm = real[:, None] & (ee[None, :] < e)
     v = tl.load((v_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], mask=vm, other=0.0)  # input dtype: exact
-    A = tl.where(tok[:, None] >= tok[None, :], A, 0.0)
+    A = tl.where(causal, A, 0.0)
     num = _mma(num, A, v, PREC)
     out = num / tl.where(den <= 0.0, 1.0, den)[:, None]
     tl.store((out_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], out, mask=tmask[:, None] & (ee[None, :] < e))
@@ -94,14 +113,66 @@ def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
 
 
 @triton.jit
-def _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC: tl.constexpr):
-    """v, dnum `[C, BE]` and dden `[C]` of the chunk, 0 at masked tokens."""
+def _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC: tl.constexpr, SPREC: tl.constexpr):
+    """v `[C, BE]`, dnum `[C, BE]` as (hi, lo) and dden `[C]` of the chunk, 0 at masked tokens.
+    For ``SPREC == "bf16x3"`` the wrapper stores dnum as its two bf16 pieces `[2, BH, N, e]`
+    (split once, in memory: the products read them from shared memory, not registers); else
+    dnum is `[BH, N, e]` in ACC and hi = lo = dnum."""
     vm = real[:, None] & (ee[None, :] < e)
     off = tok[:, None] * e + ee[None, :]  # 32-bit tile offsets from 64-bit scalar bases
     v = tl.load((v_ptr + bh * N * e) + off, mask=vm, other=0.0)  # in the input dtype: an exact operand (``_mma``)
-    dnum = tl.load((dnum_ptr + bh * N * e) + off, mask=vm, other=0.0).to(ACC)
+    if SPREC == "bf16x3":
+        dnh = tl.load((dnum_ptr + bh * N * e) + off, mask=vm, other=0.0)
+        dnl = tl.load((dnum_ptr + (tl.num_programs(1) + bh) * N * e) + off, mask=vm, other=0.0)
+    else:
+        dnh = tl.load((dnum_ptr + bh * N * e) + off, mask=vm, other=0.0).to(ACC)
+        dnl = dnh
     dden = tl.load((dden_ptr + bh * N) + tok, mask=real, other=0.0).to(ACC)
-    return v, dnum, dden
+    return v, dnh, dnl, dden
+
+
+@triton.jit
+def _outer(acc, dn, v, V_FIRST: tl.constexpr, PREC: tl.constexpr):
+    """acc + dn @ v^T, or acc + v @ dn^T for ``V_FIRST``."""
+    if V_FIRST:
+        acc = _mma_nt(acc, v, dn, PREC)
+    else:
+        acc = _mma_nt(acc, dn, v, PREC)
+    return acc
+
+
+@triton.jit
+def _dnum_v(dnh, dnl, v, V_FIRST: tl.constexpr, SPREC: tl.constexpr, PREC: tl.constexpr):
+    """dnum @ v^T `[C, C]` (``V_FIRST``: v @ dnum^T) from ``_grad_inputs``' pieces of dnum: for
+    ``"bf16x3"`` two exact products of bf16 tiles (v is bf16 there), the low piece first."""
+    if SPREC == "bf16x3":
+        acc = _outer(tl.zeros((v.shape[0], v.shape[0]), tl.float32), dnl, v, V_FIRST, PREC)
+    else:
+        acc = tl.zeros((v.shape[0], v.shape[0]), dnh.dtype)
+    return _outer(acc, dnh, v, V_FIRST, PREC)
+
+
+@triton.jit
+def _dnum_times(acc, dnh, dnl, b, SPREC: tl.constexpr):
+    """acc + dnum @ b^T (b `[BP, BE]`, a block of chunk states) from ``_grad_inputs``' pieces."""
+    if SPREC == "bf16x3":
+        bh = b.to(tl.bfloat16)
+        acc = tl.dot(dnh, tl.trans((b - bh.to(tl.float32)).to(tl.bfloat16)), acc)
+        acc = tl.dot(dnl, tl.trans(bh), acc)
+        acc = tl.dot(dnh, tl.trans(bh), acc)
+    else:
+        acc = _mma_nt(acc, dnh, b, SPREC)
+    return acc
+
+
+@triton.jit
+def _times_dnum(acc, a, dnh, dnl, PREC: tl.constexpr, SPREC: tl.constexpr):
+    """acc + a @ dnum from ``_grad_inputs``' pieces of dnum."""
+    if SPREC == "bf16x3":
+        acc = _mma_bsplit(acc, a, dnh, dnl, "bf16x3")
+    else:
+        acc = _mma(acc, a, dnh, PREC)
+    return acc
 
 
 @triton.jit
@@ -119,7 +190,7 @@ def _feature_grad(dx, dfe, dfo, fe, fo, oke, oko, weT, woT, e1, e2, o1, o2, PREC
         ah, al = _split(dao, "bf16x3")
         dx = tl.dot(ah, tl.trans(o1), tl.dot(ah, tl.trans(o2), tl.dot(al, tl.trans(o1), dx)))
     else:
-        dx = _mma(_mma(dx, dae, tl.trans(weT), PREC), dao, tl.trans(woT), PREC)
+        dx = _mma_nt(_mma_nt(dx, dae, weT, PREC), dao, woT, PREC)
     return dx, tl.sum(dae + dao, axis=1)
 
 
@@ -151,10 +222,9 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
     ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
         q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
-    v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
-    Pm = tl.where(tok[:, None] >= tok[None, :], _mm(dnum, tl.trans(v), PREC), 0.0)  # dnum_t . v_n, n <= t
+    v, dnh, dnl, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC, SPREC)
+    Pm = tl.where(tok[:, None] >= tok[None, :], _dnum_v(dnh, dnl, v, False, SPREC, PREC), 0.0)  # dnum_t . v_n, n <= t
     pmh, pml = _split(Pm, PREC)  # split once, outside the block loop
-    dnh, dnl = _split(dnum, SPREC)
     dx = tl.zeros((C, BD), ACC)
     for i in range(0, tl.cdiv(P, BP)):
         p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, oqe, oqo, ke, ko, _, _ = _block_feats(
@@ -162,8 +232,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         rke, rko = _rotate(ke, ko, cs, sn)
-        dre = _mma_split(_mma_split(tl.zeros_like(rke), dnh, dnl, tl.trans(h_e), SPREC), pmh, pml, rke, PREC)
-        dro = _mma_split(_mma_split(tl.zeros_like(rko), dnh, dnl, tl.trans(h_o), SPREC), pmh, pml, rko, PREC)
+        dre = _mma_split(_dnum_times(tl.zeros_like(rke), dnh, dnl, h_e, SPREC), pmh, pml, rke, PREC)
+        dro = _mma_split(_dnum_times(tl.zeros_like(rko), dnh, dnl, h_o, SPREC), pmh, pml, rko, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)  # R^T: rotate back
         dfe = dre + dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
         dfo = dro + dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
@@ -178,21 +248,18 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
 
 
 @triton.jit(do_not_specialize=_INTS)
-def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, dh_ptr, dhz_ptr, dnum_ptr,
-                dden_ptr, dk_ptr, dv_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
-                C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
-    """Program (c, bh): dk (as dq) and dv `[BH, N, e]` of chunk c, given the later chunks' state
-    gradients dh, dhz."""
+def _dk_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, dh_ptr, dhz_ptr, dnum_ptr,
+               dden_ptr, dk_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+               C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+               FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
+    """Program (c, bh): dk of chunk c (as dq), given the later chunks' state gradients dh, dhz."""
     ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
         q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
     ee = tl.arange(0, BE)
-    v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)
+    v, dnh, dnl, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC, SPREC)
     later = tok[:, None] <= tok[None, :]  # [n, t]: t >= n
-    Pt = tl.where(later, _mm(v, tl.trans(dnum), PREC), 0.0)  # v_n . dnum_t
+    Pt = tl.where(later, _dnum_v(dnh, dnl, v, True, SPREC, PREC), 0.0)  # v_n . dnum_t
     pth, ptl = _split(Pt, PREC)  # split once, outside the block loop
-    At = tl.zeros((C, C), ACC)
-    dv = tl.zeros((C, BE), ACC)
     dx = tl.zeros((C, BD), ACC)
     dsum = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
@@ -201,11 +268,8 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
         G_e, G_o, Z_e, Z_o = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
-        rke, rko = _rotate(ke, ko, cs, sn)
-        At = _mma(_mma(At, rke, tl.trans(re), PREC), rko, tl.trans(ro), PREC)
-        dv = _mma(_mma(dv, rke, G_e, SPREC), rko, G_o, SPREC)
-        dre = _mma_split(_mm(v, tl.trans(G_e), SPREC), pth, ptl, re, PREC)
-        dro = _mma_split(_mm(v, tl.trans(G_o), SPREC), pth, ptl, ro, PREC)
+        dre = _mma_split(_mma_nt(tl.zeros_like(re), v, G_e, SPREC), pth, ptl, re, PREC)
+        dro = _mma_split(_mma_nt(tl.zeros_like(ro), v, G_o, SPREC), pth, ptl, ro, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)
         dke = dre + Z_e[None, :] + tl.cumsum(dden[:, None] * fe, axis=0, reverse=True)
         dko = dro + Z_o[None, :] + tl.cumsum(dden[:, None] * fo, axis=0, reverse=True)
@@ -214,12 +278,36 @@ def _dkv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
             dsum += si
         else:
             _store_columns(dk_ptr, bh, N, m, tok, tmask, p, vale, valo, dke, dko, oke, oko)
-    v, dnum, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC)  # reloaded: not live
-    dv = _mma(dv, tl.where(later, At, 0.0), dnum, PREC)
-    vm = tmask[:, None] & (ee[None, :] < e)
-    tl.store((dv_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], tl.where(real[:, None], dv, 0.0), mask=vm)
     if FAVOR:
         dd = tl.arange(0, BD)
         xk = _x(k_row, tok, real, d, scale, BD, FAVOR, ACC)
         tl.store((dk_ptr + bh * N * d) + tok[:, None] * d + dd[None, :], dx * _grad_scale(scale, XPREC) - xk * (dsum * scale)[:, None],
                  mask=tmask[:, None] & (dd[None, :] < d))
+
+
+@triton.jit(do_not_specialize=_INTS)
+def _dv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, dh_ptr, dhz_ptr, dnum_ptr,
+               dden_ptr, dv_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+               C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+               FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
+    """Program (c, bh): dv `[BH, N, e]` of chunk c, given the later chunks' state gradients dh:
+    the sum over blocks of R phi(k) dh, plus A^T dnum with A^T (the chunk's rotated scores,
+    transposed) summed over the blocks first."""
+    ic, bh, b, NT, scale, rotary, tok, tmask, real, q_row, k_row, qmax, sqk = _program(
+        q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C, BD, FAVOR, ACC)
+    ee = tl.arange(0, BE)
+    At = tl.zeros((C, C), ACC)
+    dv = tl.zeros((C, BE), ACC)
+    for i in range(0, tl.cdiv(P, BP)):
+        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, _, _ = _block_feats(
+            i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
+        G_e, G_o, _, _ = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
+        cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
+        re, ro = _rotate(fe, fo, cs, sn)
+        rke, rko = _rotate(ke, ko, cs, sn)
+        At = _mma_nt(_mma_nt(At, rke, re, PREC), rko, ro, PREC)
+        dv = _mma(_mma(dv, rke, G_e, SPREC), rko, G_o, SPREC)
+    v, dnh, dnl, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC, SPREC)
+    dv = _times_dnum(dv, tl.where(tok[:, None] <= tok[None, :], At, 0.0), dnh, dnl, PREC, SPREC)
+    tl.store((dv_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], tl.where(real[:, None], dv, 0.0),
+             mask=tmask[:, None] & (ee[None, :] < e))

@@ -3,7 +3,7 @@ two sequential state passes. The chunk-parallel output and gradient kernels are 
 ``chunk_kernels.py``; the wrapper (``chunk.py``) launches them in this order:
 
 forward   ``_qmax_kernel`` -> ``_state_kernel`` -> ``chunk_kernels._out_kernel``
-backward  ``_state_grad_kernel`` -> ``chunk_kernels._dq_kernel`` and ``chunk_kernels._dkv_kernel``
+backward  ``_state_grad_kernel`` -> ``chunk_kernels._dq_kernel``, ``_dk_kernel`` and ``_dv_kernel``
 
 Layout `[B, H, N, x]` as everywhere in ``linear_rope.ops``, flattened to `[BH, N, x]`; the maths
 is ``naive.py``'s. The sequence is cut into chunks of ``C`` tokens.
@@ -68,6 +68,41 @@ def _mma(acc, a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _mma_nt(acc, a, b, PREC: tl.constexpr):
+    """acc + a @ b^T as ``_mma``, with b `[N, K]` rounded / split in its own orientation and only
+    the 16-bit pieces transposed (a view of them in shared memory on the tensor-core path)."""
+    if PREC == "bf16x3":
+        ah = a.to(tl.bfloat16)
+        bh = b.to(tl.bfloat16)
+        if b.dtype != tl.bfloat16:
+            acc = tl.dot(ah, tl.trans((b - bh.to(tl.float32)).to(tl.bfloat16)), acc)
+        if a.dtype != tl.bfloat16:
+            acc = tl.dot((a - ah.to(tl.float32)).to(tl.bfloat16), tl.trans(bh), acc)
+        return tl.dot(ah, tl.trans(bh), acc)
+    elif PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
+    else:
+        return _mma(acc, a, tl.trans(b), PREC)
+
+
+@triton.jit
+def _mma_tn(acc, a, b, PREC: tl.constexpr):
+    """acc + a^T @ b as ``_mma``, with a `[K, M]` rounded / split before it is transposed."""
+    if PREC == "bf16x3":
+        ah = a.to(tl.bfloat16)
+        bh = b.to(tl.bfloat16)
+        if b.dtype != tl.bfloat16:
+            acc = tl.dot(tl.trans(ah), (b - bh.to(tl.float32)).to(tl.bfloat16), acc)
+        if a.dtype != tl.bfloat16:
+            acc = tl.dot(tl.trans((a - ah.to(tl.float32)).to(tl.bfloat16)), bh, acc)
+        return tl.dot(tl.trans(ah), bh, acc)
+    elif PREC == "bf16":
+        return tl.dot(tl.trans(a.to(tl.bfloat16)), b.to(tl.bfloat16), acc)
+    else:
+        return _mma(acc, tl.trans(a), b, PREC)
+
+
+@triton.jit
 def _split(a, PREC: tl.constexpr):
     """An operand used in many products, split once: (bf16 hi, bf16 lo) for ``"bf16x3"``, else
     (a, a). For ``_mma_split``: a loop then keeps two bf16 tiles, not the fp32 one and its split."""
@@ -91,6 +126,19 @@ def _mma_split(acc, ah, al, b, PREC: tl.constexpr):
         return tl.dot(ah, bh, acc)
     else:
         return _mma(acc, ah, b, PREC)
+
+
+@triton.jit
+def _mma_bsplit(acc, a, bh, bl, PREC: tl.constexpr):
+    """``_mma(acc, a, b, PREC)`` for b given as ``_split(b, PREC)`` (for ``"bf16x3"``: b's two bf16
+    pieces, e.g. loaded as the wrapper stored them)."""
+    if PREC == "bf16x3":
+        ah = a.to(tl.bfloat16)
+        acc = tl.dot(ah, bl, acc)
+        acc = tl.dot((a - ah.to(tl.float32)).to(tl.bfloat16), bh, acc)
+        return tl.dot(ah, bh, acc)
+    else:
+        return _mma(acc, a, bh, PREC)
 
 
 @triton.jit
@@ -377,8 +425,8 @@ def _state_kernel(k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, cos_ptr, sin_ptr, 
                     other=0.0)  # in the input dtype: exact operands (``_mma``)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         rke, rko = _rotate(ke, ko, cs, sn)
-        S_e = _mma(S_e, tl.trans(rke), v, SPREC)
-        S_o = _mma(S_o, tl.trans(rko), v, SPREC)
+        S_e = _mma_tn(S_e, rke, v, SPREC)
+        S_o = _mma_tn(S_o, rko, v, SPREC)
         z_e += tl.sum(ke, axis=0)
         z_o += tl.sum(ko, axis=0)
     _store_pairs(sT_ptr, zT_ptr, bh, p, vale, valo, vv, m, e, S_e, S_o, z_e, z_o, has_out_state, j == 0)
@@ -416,8 +464,8 @@ def _state_grad_kernel(q_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, s
         dden = tl.load((dden_ptr + bh * N) + tok, mask=real, other=0.0)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
-        G_e = _mma(G_e, tl.trans(re), dnum, SPREC)
-        G_o = _mma(G_o, tl.trans(ro), dnum, SPREC)
+        G_e = _mma_tn(G_e, re, dnum, SPREC)
+        G_o = _mma_tn(G_o, ro, dnum, SPREC)
         Z_e += tl.sum(dden[:, None] * fe, axis=0)
         Z_o += tl.sum(dden[:, None] * fo, axis=0)
     _store_pairs(dS0_ptr, dz0_ptr, bh, p, vale, valo, vv, m, e, G_e, G_o, Z_e, Z_o, has_state, j == 0)
