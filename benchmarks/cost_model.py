@@ -95,36 +95,39 @@ def fla_fused_features_path(N):
 
 def triton_path(N):
     """Our Triton kernels (linear_rope/ops/triton), the chunk-parallel design: C = 64, blocks of
-    BP = 16 rotation pairs (m = 266 padded to 288 features: 9 blocks), bf16 inputs.
-    FLOPs, all on the bf16 tensor cores: every product of two fp32 values runs as three bf16
-    products (``"bf16x3"``), of an fp32 value and v (exact in bf16) as two, and the exponent
-    products x . w as three (x exact, w in three pieces: ``"bf16w3"``). The features are
-    recomputed where needed: k twice in the state pass (two blocks of 32 values) and once in
-    the output kernel, q once there; backward q twice in the state-gradient pass, q and k in
-    each of the dq and dk/dv kernels: 10 feature evaluations of 2 N d mp FLOPs, x3.
+    BP = 8 rotation pairs (m = 266 padded to 272 features: 17 blocks), bf16 inputs. FLOPs, all on the bf16 tensor cores: every product of two fp32 values runs as
+    three bf16 products (``"bf16x3"``), of an fp32 value and an exact bf16 one (v, dnum's
+    pieces, the chunk's triangular matrix of ones) as two, and the exponent products x . w as
+    three (x exact, w in three pieces: ``"bf16w3"``). The features are recomputed where needed:
+    k twice in the state pass (two blocks of 32 values) and once in the output kernel, q once
+    there; backward q twice in the state-gradient pass, q and k in each of the dq, dk and dv
+    kernels: 12 feature evaluations of 2 N d mp FLOPs, x3.
     Forward products: the state updates rk^T v (2N mp e, x2), the intra-chunk scores rq rk^T
-    (2N C mp, x3), the queries times the states (2N mp e, x3), the scores times v (2N C e, x2);
-    the denominator is elementwise (cumulative sums). Backward: dh (2N mp e, x3); dq: dnum v^T
-    (x2), dnum h^T (x3), its scores times rk (2N C mp, x3), through w (2N mp d, x3); dk, dv:
-    v dnum^T (x2), scores (x3), rk dh (x3), v dh^T (x2), scores times rq (x3), through w (x3),
+    and the unrotated ones for the denominator (2N C mp each, x3), the queries times the states
+    (2N mp e, x3), the scores times v (2N C e, x2). Backward: dh (2N mp e, x3); dq: dnum v^T
+    (2N C e, x2), dnum h^T (x3), its scores times rk (2N C mp, x3), the prefix sums of phi(k)
+    (2N C mp, x2), through w (2N mp d, x3); dk: v dnum^T (x2), v dh^T (x2), scores times rq
+    (x3), the suffix sums of dden phi(q) (x2), through w (x3); dv: the scores (x3), rk dh (x3),
     scores^T dnum (2N C e, x3).
     Bytes: q, k, v (bf16) and the fp32 tensors each kernel reads or writes, once per kernel
     (programs of one head re-read q, k, v from L2); the chunk states h, dh [N/C, m, e] in fp32
-    written once and read once; the RoPE tables [N, m/2] cos and sin in fp32, read by all five
-    kernels (computing them on chip would save these); the elementwise torch ops of the wrapper
-    (out to bf16; dnum, dden; dq, dk, dv to bf16)."""
-    C, mp = 64, 2 * 16 * math.ceil(M / 2 / 16)
-    feat = 10 * 2 * N * D * mp * 3
-    fwd = 2 * N * mp * E * 2 + 2 * N * C * mp * 3 + 2 * N * mp * E * 3 + 2 * N * C * E * 2
-    bwd = (2 * N * mp * E * 3 + 2 * N * C * E * 2 + 2 * N * E * mp * 3 + 2 * N * C * mp * 3 + 2 * N * mp * D * 3
-           + 2 * N * C * E * 2 + 2 * N * C * mp * 3 + 2 * N * mp * E * 3 + 2 * N * E * mp * 2 + 2 * N * C * mp * 3
-           + 2 * N * mp * D * 3 + 2 * N * C * E * 3)
+    written once and read once per kernel that takes them; the RoPE tables [N, m/2] cos and sin
+    in fp32, read by all six kernels (computing them on chip would save these); dnum's two bf16
+    pieces, written once and read by the three gradient kernels; the elementwise torch ops of
+    the wrapper (out to bf16; dnum, dden; dq, dk, dv to bf16)."""
+    C, mp = 64, 2 * 8 * math.ceil(M / 2 / 8)
+    feat = 12 * 2 * N * D * mp * 3
+    fwd = 2 * N * mp * E * 2 + 2 * N * C * mp * 3 * 2 + 2 * N * mp * E * 3 + 2 * N * C * E * 2
+    dq = 2 * N * C * E * 2 + 2 * N * E * mp * 3 + 2 * N * C * mp * 3 + 2 * N * C * mp * 2 + 2 * N * mp * D * 3
+    dk = 2 * N * C * E * 2 + 2 * N * E * mp * 2 + 2 * N * C * mp * 3 + 2 * N * C * mp * 2 + 2 * N * mp * D * 3
+    dv = 2 * N * C * mp * 3 + 2 * N * mp * E * 3 + 2 * N * C * E * 3
+    bwd = 2 * N * mp * E * 3 + dq + dk + dv
     x, st, tab = 2 * N * D, 4 * (N / C) * M * (E + 1), 2 * 4 * N * M / 2
     b_fwd = (x + 4 * N) + (x + 2 * N * E + st + tab) + (2 * x + 2 * N * E + 4 * N + st + tab + 4 * N * E + 4 * N) \
         + (4 + 2) * N * E
-    b_bwd = ((2 + 4 + 4) * N * E + 4 * N + 4 * N) + (x + 4 * N * E + 4 * N + st + tab) \
-        + (2 * x + 2 * N * E + 4 * N * E + 4 * N + st + tab + 4 * N * D) \
-        + (2 * x + 2 * N * E + 4 * N * E + 4 * N + st + tab + 4 * N * D + 4 * N * E) + 3 * (4 + 2) * N * D
+    grad = 2 * x + 2 * N * E + 4 * N * E + 4 * N + st + tab  # what each of dq, dk, dv reads
+    b_bwd = ((2 + 4 + 4) * N * E + 4 * N + 4 * N + 4 * N * E) + (x + 4 * N * E + 4 * N + st + tab) \
+        + (grad + 4 * N * D) + (grad + 4 * N * D) + (grad + 4 * N * E) + 3 * (4 + 2) * N * D
     return [phase("kernels (bf16 tensor cores)", feat + fwd + bwd, b_fwd + b_bwd, "bf16")]
 
 

@@ -122,15 +122,17 @@ class _TritonCausal(torch.autograd.Function):
         if cc["SPREC"] == "bf16x3":
             hi = dnum.to(torch.bfloat16)
             dn = torch.stack([hi, (dnum - hi.to(dnum.dtype)).to(torch.bfloat16)])
+        tri = torch.ones(cc["C"], cc["C"], device=v.device, dtype=torch.bfloat16).tril_()
+        tri = torch.stack([tri, tri.T]).contiguous()  # kernels._tri: L, U
         try:
             _launch("the state-gradient kernel", K._state_grad_kernel, (-(-P // sc["BP"]), -(-e // sc["BV"]), BH),
                     q, *_ptrs(meta, names, v, dnum, dden, gS, gz, dh, dhz, dS0, dz0), *meta["dims"],
                     _flags(meta, has_state, has_g), FAVOR=favor, ACC=_acc(cdt), **sc)
             _launch("the dq kernel", CK._dq_kernel, (NT, BH),
-                    q, k, v, *_ptrs(meta, names, v, h, hz, dn, dden, dq), *meta["dims"],
+                    q, k, v, *_ptrs(meta, names, v, h, hz, dn, dden, tri, dq), *meta["dims"],
                     _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
             _launch("the dk kernel", CK._dk_kernel, (NT, BH),
-                    q, k, v, *_ptrs(meta, names, v, dh, dhz, dn, dden, dk), *meta["dims"],
+                    q, k, v, *_ptrs(meta, names, v, dh, dhz, dn, dden, tri, dk), *meta["dims"],
                     _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
             _launch("the dv kernel", CK._dv_kernel, (NT, BH),
                     q, k, v, *_ptrs(meta, names, v, dh, dhz, dn, dden, dv), *meta["dims"],

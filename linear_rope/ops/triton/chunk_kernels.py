@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import (_INTS, _block, _chunk, _exp_weights, _feats, _flags, _load_pairs, _mma, _mma_bsplit,
-                      _mma_nt, _mma_split, _rotate, _scale, _shift, _split, _sq, _tables, _x, _xin)
+from .kernels import (_INTS, _block, _chunk, _cum, _exp_weights, _feats, _flags, _load_pairs, _mma, _mma_bsplit,
+                      _mma_nt, _mma_split, _rotate, _scale, _shift, _split, _sq, _tables, _tri, _x, _xin)
 
 
 @triton.jit
@@ -50,10 +50,9 @@ def _program(q_ptr, k_ptr, km_ptr, qmax_ptr, N, H, d, x_dim, FLAGS, C: tl.conste
 @triton.jit
 def _block_feats(i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR,
                  BP: tl.constexpr, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr, XPREC: tl.constexpr):
-    """Block i of pairs in a chunk-parallel program: the block (``_block``), the exponent weights'
-    first two pieces (the feature gradients' operands), and phi(q), phi(k) with where their
-    gradients pass (``_feats``); x is reloaded per block (cache hits), so it is not live across
-    the block loop."""
+    """Block i of pairs in a chunk-parallel program: the block (``_block``) and phi(q), phi(k)
+    with where their gradients pass (``_feats``); x is reloaded per block (cache hits), so it is
+    not live across the block loop."""
     p, pmask, vale, valo, weT, woT, c = _block(w_ptr, c_ptr, i, m, d, P, BP, BD, FAVOR, ACC)
     e1, e2, e3, o1, o2, o3 = _exp_weights(wp_ptr, weT, woT, p, vale, valo, m, d, FAVOR, XPREC)
     xq = _xin(q_row, tok, real, d, scale, BD, FAVOR, ACC, XPREC)
@@ -62,7 +61,48 @@ def _block_feats(i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m,
                               False, FAVOR, ACC, XPREC)
     ke, ko, oke, oko = _feats(k_row, xk, sqk, tok, real, p, vale, valo, e1, e2, e3, o1, o2, o3, c, qmax, m, FLOOR,
                               True, FAVOR, ACC, XPREC)
-    return p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, oqe, oqo, ke, ko, oke, oko
+    return p, pmask, vale, valo, fe, fo, oqe, oqo, ke, ko, oke, oko
+
+
+@triton.jit
+def _pairs(e, o):
+    """A block's even and odd halves `[C, BP]` interleaved back into its features in order
+    `[C, 2 BP]`: the operand of every product that sums over the block's features, whose
+    K = 2 BP then reaches the tensor cores' 16 with blocks of 8 pairs (half the registers of
+    each per-block tile)."""
+    return tl.reshape(tl.join(e, o), (e.shape[0], 2 * e.shape[1]))
+
+
+@triton.jit
+def _rows(ptr, row, i, ee, m, e, BP: tl.constexpr, ACC: tl.constexpr):
+    """Block i's 2 BP feature rows of a state `[rows, m, e]` at ``row``, in order `[2 BP, BE]`
+    (the other operand of a ``_pairs`` product)."""
+    f = i * (2 * BP) + tl.arange(0, 2 * BP)
+    return tl.load((ptr + row * m * e) + f[:, None] * e + ee[None, :], mask=(f[:, None] < m) & (ee[None, :] < e),
+                   other=0.0).to(ACC)
+
+
+@triton.jit
+def _wrows(w_ptr, wp_ptr, i, m, d, BP: tl.constexpr, BD: tl.constexpr, FAVOR: tl.constexpr, ACC: tl.constexpr,
+           XPREC: tl.constexpr):
+    """Block i's 2 BP projection rows in order `[2 BP, BD]`, the feature gradients' operands: for
+    ``"bf16w3"`` the first two bf16 pieces of w d^(-1/4) (``_exp_weights``), else w in ACC
+    (twice); zeros for features in (never read)."""
+    f = i * (2 * BP) + tl.arange(0, 2 * BP)
+    dd = tl.arange(0, BD)
+    off = f[:, None] * d + dd[None, :]
+    fm = (f[:, None] < m) & (dd[None, :] < d)
+    if FAVOR:
+        if XPREC == "bf16w3":
+            w1 = tl.load(wp_ptr + off, mask=fm, other=0.0)
+            w2 = tl.load(wp_ptr + m * d + off, mask=fm, other=0.0)
+        else:
+            w1 = tl.load(w_ptr + off, mask=fm, other=0.0).to(ACC)
+            w2 = w1
+    else:
+        w1 = tl.zeros((2 * BP, BD), ACC)
+        w2 = w1
+    return w1, w2
 
 
 @triton.jit
@@ -72,7 +112,7 @@ def _den_block(fe, fo, ke, ko, z_e, z_o, causal, FAVOR: tl.constexpr, PREC: tl.c
     tensor-core products (fewer live registers than a scan beside the exponent products); a NaN
     key reaches only the later tokens, as through a cumulative sum. Features in: the scan."""
     if FAVOR:
-        D = _mma_nt(_mma_nt(tl.zeros((fe.shape[0], ke.shape[0]), fe.dtype), fe, ke, PREC), fo, ko, PREC)
+        D = _mma_nt(tl.zeros((fe.shape[0], ke.shape[0]), fe.dtype), _pairs(fe, fo), _pairs(ke, ko), PREC)
         den = tl.sum(fe * z_e[None, :] + fo * z_o[None, :], axis=1) + tl.sum(tl.where(causal, D, 0.0), axis=1)
     else:
         den = tl.sum(fe * (z_e[None, :] + tl.cumsum(ke, axis=0)) + fo * (z_o[None, :] + tl.cumsum(ko, axis=0)), axis=1)
@@ -94,15 +134,16 @@ def _out_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos
     num = tl.zeros((C, BE), ACC)
     den = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, _, _ = _block_feats(
+        p, pmask, vale, valo, fe, fo, _, _, ke, ko, _, _ = _block_feats(
             i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
-        h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
+        _, _, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         den += _den_block(fe, fo, ke, ko, z_e, z_o, causal, FAVOR, PREC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
-        A = _mma_nt(_mma_nt(A, re, rke, PREC), ro, rko, PREC)
-        num = _mma(_mma(num, re, h_e, SPREC), ro, h_o, SPREC)
+        rq = _pairs(re, ro)
+        A = _mma_nt(A, rq, _pairs(rke, rko), PREC)
+        num = _mma(num, rq, _rows(h_ptr, bh * NT + ic, i, ee, m, e, BP, ACC), SPREC)
     vm = real[:, None] & (ee[None, :] < e)
     v = tl.load((v_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], mask=vm, other=0.0)  # input dtype: exact
     A = tl.where(causal, A, 0.0)
@@ -176,21 +217,20 @@ def _times_dnum(acc, a, dnh, dnl, PREC: tl.constexpr, SPREC: tl.constexpr):
 
 
 @triton.jit
-def _feature_grad(dx, dfe, dfo, fe, fo, oke, oko, weT, woT, e1, e2, o1, o2, PREC: tl.constexpr, XPREC: tl.constexpr):
+def _feature_grad(dx, dfe, dfo, fe, fo, oke, oko, w1, w2, PREC: tl.constexpr, XPREC: tl.constexpr):
     """FAVOR+: d phi -> d exponent (phi = exp(a): da = dphi * phi, 0 where the gradient does not
-    pass) -> dx plus the block's share (through a = w . x'), and sum_j da_j `[C]` (keys: the
-    |x'|^2 / 2 term). ``"bf16w3"``: through the scaled projection's first two bf16 pieces
-    (16 bits, as ``"bf16x3"``), so dx is d/dx itself (``_grad_scale`` = 1); else through
-    ``_block``'s fp32 tiles, dx is d/dx' (``_grad_scale`` = d^(-1/4))."""
+    pass) -> dx plus the block's share (through a = w . x', the rows ``_wrows`` loads), and
+    sum_j da_j `[C]` (keys: the |x'|^2 / 2 term). ``"bf16w3"``: through the scaled
+    projection's first two bf16 pieces (16 bits, as ``"bf16x3"``), so dx is d/dx itself
+    (``_grad_scale`` = 1); else through w, dx is d/dx' (``_grad_scale`` = d^(-1/4))."""
     dae = tl.where(oke, dfe * fe, 0.0)
     dao = tl.where(oko, dfo * fo, 0.0)
+    da = _pairs(dae, dao)
     if XPREC == "bf16w3":
-        ah, al = _split(dae, "bf16x3")
-        dx = tl.dot(ah, tl.trans(e1), tl.dot(ah, tl.trans(e2), tl.dot(al, tl.trans(e1), dx)))
-        ah, al = _split(dao, "bf16x3")
-        dx = tl.dot(ah, tl.trans(o1), tl.dot(ah, tl.trans(o2), tl.dot(al, tl.trans(o1), dx)))
+        ah, al = _split(da, "bf16x3")
+        dx = tl.dot(ah, w1, tl.dot(ah, w2, tl.dot(al, w1, dx)))
     else:
-        dx = _mma_nt(_mma_nt(dx, dae, weT, PREC), dao, woT, PREC)
+        dx = _mma(dx, da, w1, PREC)
     return dx, tl.sum(dae + dao, axis=1)
 
 
@@ -215,7 +255,7 @@ def _store_columns(ptr, bh, N, m, tok, tmask, p, vale, valo, dfe, dfo, oke, oko)
 
 @triton.jit(do_not_specialize=_INTS)
 def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, h_ptr, hz_ptr, dnum_ptr,
-               dden_ptr, dq_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+               dden_ptr, tri_ptr, dq_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
                C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (c, bh): dq of chunk c, `[BH, N, d]` (FAVOR+) or `[BH, N, m]` (features in)."""
@@ -225,9 +265,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
     v, dnh, dnl, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC, SPREC)
     Pm = tl.where(tok[:, None] >= tok[None, :], _dnum_v(dnh, dnl, v, False, SPREC, PREC), 0.0)  # dnum_t . v_n, n <= t
     pmh, pml = _split(Pm, PREC)  # split once, outside the block loop
+    L = _tri(tri_ptr, C, False)
     dx = tl.zeros((C, BD), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, oqe, oqo, ke, ko, _, _ = _block_feats(
+        p, pmask, vale, valo, fe, fo, oqe, oqo, ke, ko, _, _ = _block_feats(
             i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
         h_e, h_o, z_e, z_o = _load_pairs(h_ptr, hz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
@@ -235,10 +276,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
         dre = _mma_split(_dnum_times(tl.zeros_like(rke), dnh, dnl, h_e, SPREC), pmh, pml, rke, PREC)
         dro = _mma_split(_dnum_times(tl.zeros_like(rko), dnh, dnl, h_o, SPREC), pmh, pml, rko, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)  # R^T: rotate back
-        dfe = dre + dden[:, None] * (z_e[None, :] + tl.cumsum(ke, axis=0))
-        dfo = dro + dden[:, None] * (z_o[None, :] + tl.cumsum(ko, axis=0))
+        dfe = dre + dden[:, None] * (z_e[None, :] + _cum(L, ke, PREC))
+        dfo = dro + dden[:, None] * (z_o[None, :] + _cum(L, ko, PREC))
         if FAVOR:
-            dx, _ = _feature_grad(dx, dfe, dfo, fe, fo, oqe, oqo, weT, woT, e1, e2, o1, o2, PREC, XPREC)
+            w1, w2 = _wrows(w_ptr, wp_ptr, i, m, d, BP, BD, FAVOR, ACC, XPREC)
+            dx, _ = _feature_grad(dx, dfe, dfo, fe, fo, oqe, oqo, w1, w2, PREC, XPREC)
         else:
             _store_columns(dq_ptr, bh, N, m, tok, tmask, p, vale, valo, dfe, dfo, oqe, oqo)
     if FAVOR:
@@ -249,7 +291,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
 
 @triton.jit(do_not_specialize=_INTS)
 def _dk_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_ptr, sin_ptr, dh_ptr, dhz_ptr, dnum_ptr,
-               dden_ptr, dk_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
+               dden_ptr, tri_ptr, dk_ptr, N, H, m, d, e, P, x_dim, tab_rows, FLOOR, FLAGS,
                C: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
                FAVOR: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, XPREC: tl.constexpr):
     """Program (c, bh): dk of chunk c (as dq), given the later chunks' state gradients dh, dhz."""
@@ -260,21 +302,25 @@ def _dk_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
     later = tok[:, None] <= tok[None, :]  # [n, t]: t >= n
     Pt = tl.where(later, _dnum_v(dnh, dnl, v, True, SPREC, PREC), 0.0)  # v_n . dnum_t
     pth, ptl = _split(Pt, PREC)  # split once, outside the block loop
+    U = _tri(tri_ptr, C, True)
     dx = tl.zeros((C, BD), ACC)
     dsum = tl.zeros((C,), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, oke, oko = _block_feats(
+        p, pmask, vale, valo, fe, fo, _, _, ke, ko, oke, oko = _block_feats(
             i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
         G_e, G_o, Z_e, Z_o = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
+        sfe = _cum(U, dden[:, None] * fe, PREC)  # the denominator's suffix sums first: fewer live tiles
+        sfo = _cum(U, dden[:, None] * fo, PREC)
         re, ro = _rotate(fe, fo, cs, sn)
         dre = _mma_split(_mma_nt(tl.zeros_like(re), v, G_e, SPREC), pth, ptl, re, PREC)
         dro = _mma_split(_mma_nt(tl.zeros_like(ro), v, G_o, SPREC), pth, ptl, ro, PREC)
         dre, dro = _rotate(dre, dro, cs, -sn)
-        dke = dre + Z_e[None, :] + tl.cumsum(dden[:, None] * fe, axis=0, reverse=True)
-        dko = dro + Z_o[None, :] + tl.cumsum(dden[:, None] * fo, axis=0, reverse=True)
+        dke = dre + Z_e[None, :] + sfe
+        dko = dro + Z_o[None, :] + sfo
         if FAVOR:
-            dx, si = _feature_grad(dx, dke, dko, ke, ko, oke, oko, weT, woT, e1, e2, o1, o2, PREC, XPREC)
+            w1, w2 = _wrows(w_ptr, wp_ptr, i, m, d, BP, BD, FAVOR, ACC, XPREC)
+            dx, si = _feature_grad(dx, dke, dko, ke, ko, oke, oko, w1, w2, PREC, XPREC)
             dsum += si
         else:
             _store_columns(dk_ptr, bh, N, m, tok, tmask, p, vale, valo, dke, dko, oke, oko)
@@ -299,14 +345,14 @@ def _dv_kernel(q_ptr, k_ptr, v_ptr, w_ptr, wp_ptr, c_ptr, km_ptr, qmax_ptr, cos_
     At = tl.zeros((C, C), ACC)
     dv = tl.zeros((C, BE), ACC)
     for i in range(0, tl.cdiv(P, BP)):
-        p, pmask, vale, valo, weT, woT, e1, e2, o1, o2, fe, fo, _, _, ke, ko, _, _ = _block_feats(
+        p, pmask, vale, valo, fe, fo, _, _, ke, ko, _, _ = _block_feats(
             i, w_ptr, wp_ptr, c_ptr, q_row, k_row, tok, real, qmax, sqk, m, d, P, scale, FLOOR, BP, BD, FAVOR, ACC, XPREC)
-        G_e, G_o, _, _ = _load_pairs(dh_ptr, dhz_ptr, bh * NT + ic, p, vale, valo, ee, m, e, True, ACC)
         cs, sn = _tables(cos_ptr, sin_ptr, b, tab_rows, tok, tmask, p, pmask, N, P, rotary)
         re, ro = _rotate(fe, fo, cs, sn)
         rke, rko = _rotate(ke, ko, cs, sn)
-        At = _mma_nt(_mma_nt(At, rke, re, PREC), rko, ro, PREC)
-        dv = _mma(_mma(dv, rke, G_e, SPREC), rko, G_o, SPREC)
+        rk = _pairs(rke, rko)
+        At = _mma_nt(At, rk, _pairs(re, ro), PREC)
+        dv = _mma(dv, rk, _rows(dh_ptr, bh * NT + ic, i, ee, m, e, BP, ACC), SPREC)
     v, dnh, dnl, dden = _grad_inputs(v_ptr, dnum_ptr, dden_ptr, bh, N, e, tok, real, ee, ACC, SPREC)
     dv = _times_dnum(dv, tl.where(tok[:, None] <= tok[None, :], At, 0.0), dnh, dnl, PREC, SPREC)
     tl.store((dv_ptr + bh * N * e) + tok[:, None] * e + ee[None, :], tl.where(real[:, None], dv, 0.0),

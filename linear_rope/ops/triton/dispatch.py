@@ -45,7 +45,9 @@ MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the ahead-of-time
 NUM_STAGES = 2  # the block loop's loads (projection rows, chunk states) pipelined one block ahead
 NUM_WARPS = 4  # 128 threads per program: the chunk-parallel grid has NT x BH programs to fill the SMs
 CHUNK = 64  # tokens per chunk: 64-row tiles (sm_90's wgmma takes M = 64)
-PAIRS = 16  # rotation pairs per block of the chunk-parallel kernels (32 features: m = 266 is 9 blocks)
+PAIRS = 8  # rotation pairs per block of the chunk-parallel kernels (16 features: m = 266 is 17 blocks); the
+# products over a block's features take its even and odd halves interleaved (K = 16). With 16 pairs
+# the sm_90 bf16 builds spilled and the sm_80 fp16 / bf16 dq build outgrew shared memory.
 STATE_PAIRS = 16  # and of the state passes (32 features x 32 values of state per program)
 STATE_VALUES = 32  # value columns per state-pass program (fewer registers, twice the programs on the serial part)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -164,8 +166,8 @@ def pick_config(dtype: torch.dtype, *, bf16_tensor_cores: bool | None = None) ->
     """The kernels' launch parameters: one config per input dtype, chosen here on the CPU (no
     autotune, so the interpreter and the ahead-of-time builds see exactly what runs).
 
-    ``chunk`` (the chunk-parallel kernels): C = 64 tokens per chunk, BP = 16 rotation pairs per
-    block (m = 266 is 133 pairs: 9 blocks, 8% padding), BD = BE = 64 (d and e padded to 64, the
+    ``chunk`` (the chunk-parallel kernels): C = 64 tokens per chunk, BP = 8 rotation pairs per
+    block (m = 266 is 133 pairs: 17 blocks, 2% padding), BD = BE = 64 (d and e padded to 64, the
     paper's head size; smaller heads pay for the padding), 4 warps, 2 stages. ``state`` (the
     two state passes): the same chunks, blocks of 16 pairs and 32 value columns. ``qmax``: the
     stabiliser's kernel. The ahead-of-time builds (``aot.py``, docs/gpu.md) check these.

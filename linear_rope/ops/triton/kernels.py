@@ -142,6 +142,28 @@ def _mma_bsplit(acc, a, bh, bl, PREC: tl.constexpr):
 
 
 @triton.jit
+def _tri(tri_ptr, C: tl.constexpr, UPPER: tl.constexpr):
+    """The chunk's causal matrix of ones from ``tri_ptr`` (the wrapper's `[2, C, C]` in bf16, lower
+    then upper triangular): L[t, n] = (n <= t), or for ``UPPER`` its transpose U[n, t] = (n <= t).
+    Loaded, not formed in registers, and each in its own row-major copy: a loaded tile that only
+    feeds products stays in shared memory."""
+    r = tl.arange(0, C)
+    return tl.load(tri_ptr + UPPER * C * C + r[:, None] * C + r[None, :])
+
+
+@triton.jit
+def _cum(L, x, PREC: tl.constexpr):
+    """L @ x with ``_tri``'s L (or U): the prefix (suffix) sums of x `[C, BP]` over the chunk's
+    tokens, as the torch path forms them (a masked product: a NaN reaches the whole chunk, as
+    there), about fp32 in every precision (L exact; x split on the bf16 tensor cores)."""
+    if PREC == "bf16":
+        acc = _mma(tl.zeros_like(x), L, x, "bf16x3")
+    else:
+        acc = _mma(tl.zeros_like(x), L, x, PREC)
+    return acc
+
+
+@triton.jit
 def _mm(a, b, PREC: tl.constexpr):
     """a @ b in precision PREC (``_mma`` into zeros)."""
     return _mma(tl.zeros((a.shape[0], b.shape[1]), a.dtype if a.dtype == tl.float64 else tl.float32), a, b, PREC)
