@@ -233,8 +233,8 @@ def test_blocks_of_pairs_float64():
 
 
 # The half-precision cases, run with the GPU's tl.dot arithmetic (emulation.tensor_core_dots):
-# name -> (N, keywords). The paper's head sizes (d = 64, m = 266: exponents of realistic size,
-# nine blocks of 16 pairs, two chunks of 64) with every keyword the kernels take, and small sizes over 2-3 chunks.
+# name -> (N, keywords). The paper's head sizes (d = 64, m = 266: exponents of realistic size, 17
+# blocks of 8 pairs, two chunks of 64) with every keyword the kernels take, and small sizes over 2-3 chunks.
 HALF_CASES = {
     "paper-state-offsets": (80, dict(m=266, d=64, e=64, B=2, offset=torch.tensor([3, 1000]), initial_state=True,
                                      output_final_state=True)),
