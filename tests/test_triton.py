@@ -217,8 +217,9 @@ def test_float32_at_512():
 
 
 def test_paper_size():
-    """m = 266 FAVOR+ features of d = 64 (133 pairs: nine blocks of 16, the last one padded),
-    two chunks, fp32 inputs with the GPU's tl.dot arithmetic."""
+    """m = 266 FAVOR+ features of d = 64 (133 pairs: 17 blocks of 8 in the chunk kernels, 9 of
+    16 in the state passes, the last one padded), two chunks, fp32 inputs with the GPU's tl.dot
+    arithmetic."""
     from linear_rope.ops.triton.emulation import tensor_core_dots
 
     with tensor_core_dots():
@@ -226,9 +227,9 @@ def test_paper_size():
 
 
 def test_blocks_of_pairs_float64():
-    """m = 70: 35 pairs in three blocks of 16, the last holding 3 real pairs; N = 150: three
-    chunks of 64, the last partial. In float64 the blocks' sums on chip and the chunk states
-    are checked to 1e-10."""
+    """m = 70: 35 pairs in five blocks of 8 (three of 16 in the state passes), the last holding 3
+    real pairs; N = 150: three chunks of 64, the last partial. In float64 the blocks' sums on
+    chip and the chunk states are checked to 1e-10."""
     _check(torch.float64, 150, 1e-10, m=70, offset=11)
 
 
