@@ -8,6 +8,8 @@ installed.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...features import key_exponent_floor, pair_shift
@@ -28,6 +30,14 @@ def _launch(name, kernel, grid, *args, **kwargs):
     except Exception as e:  # noqa: BLE001 - Triton raises its own types, RuntimeError, AssertionError, ...
         msg = str(e).strip().splitlines()
         raise KernelError(f"{name} failed to build or launch ({type(e).__name__}: {msg[0][:200] if msg else ''})") from e
+
+@functools.lru_cache(maxsize=None)
+def _triangles(C: int, device: torch.device) -> torch.Tensor:
+    """The chunk's causal matrices of ones `[2, C, C]` in bf16, lower then upper triangular
+    (``kernels._tri``): made once per chunk size and device, not in every backward."""
+    L = torch.ones(C, C, device=device, dtype=torch.bfloat16).tril_()
+    return torch.stack([L, L.T]).contiguous()
+
 
 def _acc(cdt):
     import triton.language as tl
@@ -122,8 +132,7 @@ class _TritonCausal(torch.autograd.Function):
         if cc["SPREC"] == "bf16x3":
             hi = dnum.to(torch.bfloat16)
             dn = torch.stack([hi, (dnum - hi.to(dnum.dtype)).to(torch.bfloat16)])
-        tri = torch.ones(cc["C"], cc["C"], device=v.device, dtype=torch.bfloat16).tril_()
-        tri = torch.stack([tri, tri.T]).contiguous()  # kernels._tri: L, U
+        tri = _triangles(cc["C"], v.device)
         try:
             _launch("the state-gradient kernel", K._state_grad_kernel, (-(-P // sc["BP"]), -(-e // sc["BV"]), BH),
                     q, *_ptrs(meta, names, v, dnum, dden, gS, gz, dh, dhz, dS0, dz0), *meta["dims"],
