@@ -1,12 +1,19 @@
 """Decoder: in-place decoding equals the functional ``PerformerLM.step`` and the full forward, for
 ragged prompts, with no sync and a bounded number of kernel launches per step."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-import linear_rope.decode as decode_mod
-from benchmarks.generation import count_dispatch
-from linear_rope.decode import Decoder, sample_next
-from linear_rope.model import LM_POSITIONS, PerformerLM
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the repo root
+    sys.path.insert(0, str(ROOT))
+
+import linear_rope.decode as decode_mod  # noqa: E402
+from benchmarks.generation import count_dispatch  # noqa: E402
+from linear_rope.decode import Decoder, sample_next  # noqa: E402
+from linear_rope.model import LM_POSITIONS, PerformerLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one thread for small sizes
 
@@ -203,3 +210,4 @@ def test_generate_samples_through_sample_next(monkeypatch):
     monkeypatch.setattr(decode_mod, "sample_next", recorded)
     out = tiny(position="rope").generate([b"ab", b"xyz"], 5, top_k=1)
     assert [bytes(r) for r in torch.stack(seen, 1).tolist()] == out
+
