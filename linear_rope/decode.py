@@ -248,6 +248,11 @@ class Decoder:
             return [KVCache(k[:, :, :n], v[:, :, :n], self.key_mask[:, :n]) for k, v in zip(self.k, self.v)]
         return [LinearAttentionState(t[..., :-1], t[..., -1]) for t in self.Sz]
 
+    @property
+    def steps_left(self) -> int:
+        """How many more ``step`` calls fit ``max_len``."""
+        return self._left - self._steps
+
     # -- one token -----------------------------------------------------------------------------
 
     @torch.no_grad()

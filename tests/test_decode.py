@@ -211,3 +211,28 @@ def test_generate_samples_through_sample_next(monkeypatch):
     out = tiny(position="rope").generate([b"ab", b"xyz"], 5, top_k=1)
     assert [bytes(r) for r in torch.stack(seen, 1).tolist()] == out
 
+
+@pytest.mark.parametrize("position", ["rope", "rope_norm"])
+@torch.no_grad()
+def test_hugging_face_cached_steps_run_on_the_decoder(position):
+    """``LinearRopeForCausalLM`` with a cache: tokens with no padding step on a Decoder held by
+    the cache (no value read after the first), with the logits of ``PerformerLM.step``."""
+    pytest.importorskip("transformers")
+    from linear_rope.hf import LinearRopeForCausalLM
+
+    lm = tiny(position=position).double()
+    hf = LinearRopeForCausalLM.from_performer(lm)
+    ids, mask, seqs = ragged()
+    out = hf(input_ids=ids, attention_mask=mask.long(), use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    _, states = lm(ids, mask=mask, output_final_state=True)
+    pos = mask.sum(1)
+    for t in range(3):
+        tok = torch.stack([s[len(s) - NEW + t] for s in seqs])
+        box = []
+        c = count_dispatch(lambda: box.append(hf(input_ids=tok[:, None], cache=cache).logits[:, 0]))
+        want, states = lm.step(tok, states, pos + t)
+        torch.testing.assert_close(box[0], want, rtol=1e-12, atol=1e-12)
+        assert cache.decoder is not None
+        if t:
+            assert c["syncs"] == 0 and c["host"] == 0, (c["syncs_by_op"], c["host_by_call"])
