@@ -26,7 +26,8 @@ that is not a view (or a bare allocation) is one kernel launch, ``_local_scalar_
 ``nonzero`` / ``masked_select`` are syncs, and a ``TorchFunctionMode`` counts host reads
 (``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``__index__`` on tensors) and
 ``torch.tensor`` / ``as_tensor`` of Python data (a host-to-device copy on a GPU). The load of
-the machine (``uptime``) is recorded before and after.
+the machine (``uptime``) is recorded before and after. A full run also compiles the step
+(``compiled_step_kernels``) and counts the kernels of Inductor's generated code per step.
 """
 from __future__ import annotations
 
@@ -112,6 +113,30 @@ def uptime() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+@torch.no_grad()
+def compiled_step_kernels(preset: str = "cpu", batch: int = 8) -> dict:
+    """Compile ``Decoder.step`` for this machine (Inductor: C++ on a CPU, Triton on a GPU) and
+    count the kernels its generated ``call`` runs per step: GEMMs (``extern_kernels.*``) and
+    fused kernels (``cpp_fused_*`` / ``triton_*``)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(preset).eval()
+    ids = torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(0))
+    dec = Decoder(model, batch, 32, compile=False)
+    tok = dec.prefill(ids).argmax(-1)
+    t0 = time.perf_counter()
+    _, codes = run_and_get_code(torch.compile(dec._forward_step, fullgraph=True, dynamic=False), tok)
+    seconds = time.perf_counter() - t0
+    call = "\n".join(c.split("def call(", 1)[1].split("\n\n\n", 1)[0] for c in codes if "def call(" in c)
+    gemms = len(re.findall(r"^\s+extern_kernels\.\w+\(", call, re.M))
+    fused = len(re.findall(r"^\s+(?:cpp_fused\w*|triton_\w+\.run)\(", call, re.M))
+    return {"preset": preset, "batch": batch, "depth": model.cfg.depth, "gemms": gemms, "fused": fused,
+            "kernels": gemms + fused, "per_layer": (gemms + fused) / model.cfg.depth, "compile_s": seconds}
 
 
 @torch.no_grad()
@@ -208,6 +233,11 @@ def main(quick: bool = False, out_dir=None) -> dict:
     ms = {k: 1e3 * median(t) for k, t in times.items()}
 
     dsec = decode_section(quick)
+    if not quick:  # minutes of C++ compilation on a CPU
+        try:
+            dsec["compiled"] = compiled_step_kernels()
+        except Exception as e:  # a machine without a compiler: say so, keep the rest
+            dsec["compiled"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     lo, hi, ref = min(cfg["contexts"]), max(cfg["contexts"]), cfg["ref_context"]
     flat = ms[f"ours@{hi}"] / ms[f"ours@{lo}"]
     vs = ms[f"performer@{ref}"] / ms[f"ours@{ref}"]

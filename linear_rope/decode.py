@@ -146,8 +146,8 @@ class Decoder:
         self.buffers += [self.positions, self.first] + [t for t in (self.rope, self.rope_pre) if t is not None]
         self.favor = None  # per layer: W^T `[d, m]` and the shifts (c, -c) `[2, 1, m]`, set at prefill / load
         if cfg.feature_map == "favor" and not self.softmax:
-            self.favor = [(torch.zeros(d, self.m, dtype=self.dtype, **kw), torch.zeros(2, 1, self.m, dtype=self.dtype, **kw))
-                          for _ in model.blocks]
+            self.favor = [(torch.zeros(d, self.m, dtype=self.dtype, **kw),
+                           torch.zeros(2, 1, self.m, dtype=self.dtype, **kw)) for _ in model.blocks]
             self.buffers += [t for pair in self.favor for t in pair]
         self._steps = self._left = self._filled = 0  # since prefill / load: steps, steps left, cache slots
         self._loaded = self._compile_ok = False
@@ -223,10 +223,13 @@ class Decoder:
             want = (self.B, self.cfg.heads, self.m, self.e)
             for i, st in enumerate(states):
                 if not isinstance(st, tuple) or len(st) != 2 or st[0].shape != want or st[1].shape != want[:3]:
-                    raise ValueError(f"states[{i}]: a LinearAttentionState S {list(want)}, z {list(want[:3])} is needed")
+                    raise ValueError(f"states[{i}]: a LinearAttentionState S {list(want)}, z {list(want[:3])} "
+                                     "is needed")
                 self.Sz[i][..., :-1].copy_(st[0]), self.Sz[i][..., -1].copy_(st[1])
         used = key_columns if key_columns is not None else (self._filled if self.softmax else 0)
         self._left = self.max_len - max(used, hi - lo)  # the cache's slots, and the RoPE rows
+        if self.model.pos_emb is not None:  # and the absolute table: positions below seq_len
+            self._left = max(0, min(self._left, self.cfg.seq_len - hi))
         self.first.fill_(lo)
         rows = torch.arange(lo, lo + self.max_len, device=self.device)
         if self.rope is not None:
@@ -265,7 +268,8 @@ class Decoder:
             raise ValueError("step: nothing to continue from; call prefill (or load) first")
         self._check_ids(token, "token", 1)
         if self._steps >= self._left:
-            raise ValueError(f"step: max_len={self.max_len} reached ({self._steps} steps after the prompt); "
+            table = f" or the absolute table's seq_len={self.cfg.seq_len}" if self.model.pos_emb is not None else ""
+            raise ValueError(f"step: max_len={self.max_len}{table} reached ({self._steps} steps after the prompt); "
                              "build the Decoder with a larger max_len")
         self._steps += 1
         if self._compiled is not None:

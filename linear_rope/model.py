@@ -349,6 +349,9 @@ class PerformerLM(nn.Module):
             ids[b, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[b, longest - len(p):] = True
         ragged = any(len(p) != longest for p in prompts)
-        dec = Decoder(self, len(prompts), longest + max_new_tokens, compile=compile)
+        max_len = longest + max_new_tokens
+        if compile if compile is not None else device.type == "cuda":  # one compiled graph per power of two
+            max_len = 1 << max(8, (max_len - 1).bit_length())
+        dec = Decoder(self, len(prompts), max_len, compile=compile)
         return dec.generate(ids.to(device), max_new_tokens, mask=mask.to(device) if ragged else None,
                             temperature=temperature, top_k=top_k, generator=generator)

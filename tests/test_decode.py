@@ -149,7 +149,7 @@ def test_generate_equals_the_functional_step_loop(kw, dtype):
 @torch.no_grad()
 def test_load_continues_from_functional_states():
     model = tiny(position="rope")
-    ids, mask, seqs = ragged()
+    ids, mask, _ = ragged()
     _, states = model(ids, mask=mask, output_final_state=True)
     dec = Decoder(model, 3, 20)
     dec.load(states, mask.sum(1))
@@ -174,6 +174,11 @@ def test_bad_use_is_a_value_error():
     dec.step(torch.tensor([1, 2])), dec.step(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="max_len=5 reached"):
         dec.step(torch.tensor([1, 2]))
+    absolute = Decoder(tiny(position="absolute"), 1, 100)  # seq_len 32
+    absolute.prefill(torch.zeros(1, 30, dtype=torch.long))
+    absolute.step(torch.tensor([1])), absolute.step(torch.tensor([1]))
+    with pytest.raises(ValueError, match="the absolute table's seq_len=32 reached"):
+        absolute.step(torch.tensor([1]))
     for bad in (dict(batch_size=0), dict(max_len=True), dict(compile="yes")):
         with pytest.raises(ValueError, match="must be"):
             Decoder(model, **{"batch_size": 2, "max_len": 5, **bad})
@@ -192,10 +197,21 @@ def test_a_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch):
     eager, compiled = Decoder(model, 3, 20, compile=False), Decoder(model, 3, 20, compile=True)
     tok = eager.prefill(ids, mask).argmax(-1)
     compiled.prefill(ids, mask)
-    with pytest.warns(UserWarning, match=r"^Decoder: torch.compile failed, decoding eagerly \(RuntimeError: no compiler here\)$"):
+    line = r"^Decoder: torch.compile failed, decoding eagerly \(RuntimeError: no compiler here\)$"
+    with pytest.warns(UserWarning, match=line):
         got = compiled.step(tok)
     torch.testing.assert_close(got, eager.step(tok), rtol=0, atol=0)
     torch.testing.assert_close(compiled.step(tok), eager.step(tok), rtol=0, atol=0)  # no second warning: eager now
+
+
+def test_generate_with_a_failed_compile_gives_the_eager_tokens(monkeypatch):
+    model = tiny(position="softmax")
+    want = model.generate([b"ab", b"xyz"], 5, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: 1 / 0)
+    with pytest.warns(UserWarning, match="torch.compile failed, decoding eagerly"):
+        got = model.generate([b"ab", b"xyz"], 5, temperature=1.0, generator=torch.Generator().manual_seed(1),
+                             compile=True)  # (a key/value cache of 256 slots: max_len rounded up)
+    assert got == want
 
 
 def test_generate_samples_through_sample_next(monkeypatch):
