@@ -11,7 +11,6 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
     sys.path.insert(0, str(ROOT))
 
 import linear_rope.decode as decode_mod  # noqa: E402
-from benchmarks.generation import count_dispatch  # noqa: E402
 from linear_rope.decode import Decoder, sample_next  # noqa: E402
 from linear_rope.model import LM_POSITIONS, PerformerLM  # noqa: E402
 
@@ -41,6 +40,13 @@ def ragged(lengths=(4, 11, 7), new=NEW, seed=2):
     for b, (s, n) in enumerate(zip(seqs, lengths)):
         ids[b, P - n:], mask[b, P - n:] = s[:n], True
     return ids, mask, seqs
+
+
+def count_dispatch(fn) -> dict:
+    """``benchmarks.generation.count_dispatch`` (imported here: tests/mutants.py copies no benchmarks/)."""
+    from benchmarks.generation import count_dispatch
+
+    return count_dispatch(fn)
 
 
 def vid(kw):
