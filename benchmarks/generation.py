@@ -1,4 +1,5 @@
-"""Per-token generation latency: our recurrent ``step`` vs performer-pytorch re-running the sequence.
+"""Per-token generation latency: our recurrent ``step`` vs performer-pytorch re-running the
+sequence, and the in-place ``Decoder`` vs the functional ``PerformerLM.step`` at batch 8.
 
     python -m benchmarks.generation [--quick]
 
@@ -16,16 +17,31 @@ All per-token calls (every context, both models) run in one interleaved loop: ou
 ``tokens`` rounds, performer for ``performer_tokens`` rounds, after one warmup round. The table
 gives medians. Targets: ours@largest / ours@smallest context <= 1.2 (flat in the context), and
 performer / ours at the reference context (1024) >= 50.
+
+Decoder section (``DECODE``): the ``cpu`` preset's model (12 layers) at batch 8, prefilled to
+each context, then ``linear_rope.decode.Decoder.step`` (state updated in place) against
+``PerformerLM.step`` (states in, states out, per-row positions), interleaved, medians of
+``tokens`` steps each. ``count_dispatch`` counts what one step asks of a device: every ATen op
+that is not a view (or a bare allocation) is one kernel launch, ``_local_scalar_dense`` /
+``nonzero`` / ``masked_select`` are syncs, and a ``TorchFunctionMode`` counts host reads
+(``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``__index__`` on tensors) and
+``torch.tensor`` / ``as_tensor`` of Python data (a host-to-device copy on a GPU). The load of
+the machine (``uptime``) is recorded before and after. A full run also compiles the step
+(``compiled_step_kernels``) and counts the kernels of Inductor's generated code per step.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from linear_rope.decode import Decoder
 from linear_rope.model import ModelConfig, PerformerLM
 
-from .common import cli, interleaved, median, quiet, report, setup, target
+from .common import cli, format_table, interleaved, median, quiet, report, setup, target
 
 NAME = "generation"
 FULL = dict(
@@ -40,6 +56,138 @@ QUICK = dict(
 )
 TARGET_FLAT = 1.2
 TARGET_VS_PERFORMER = 50.0
+DECODE = dict(preset="cpu", batch=8, contexts=(1024, 16384), tokens=30)
+DECODE_QUICK = dict(preset="tiny", batch=8, contexts=(16, 64), tokens=3)
+TARGET_LAUNCHES_PER_LAYER = 60
+
+# What a step asks of a device (see the module docstring).
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
+NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::_unsafe_view", "aten::detach", "aten::lift_fresh",
+             "aten::alias"}
+HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"}
+
+
+class _Dispatches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.launches, self.syncs = {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = func._schema
+        name = schema.name
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        tensors = any("Tensor" in str(r.type) for r in schema.returns)  # not promote_types and the like
+        if name in SYNC_OPS:
+            self.syncs[name] = self.syncs.get(name, 0) + 1
+        elif tensors and not view and name not in NO_KERNEL:
+            self.launches[name] = self.launches.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        python_data = func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor)
+        if name in HOST_READS or python_data:
+            self.reads[name] = self.reads.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_dispatch(fn) -> dict:
+    """Run ``fn()`` once and count its kernel launches, syncs and host reads / copies:
+    ``{"launches": n, "syncs": n, "host": n, "by_op": {...}, "syncs_by_op": {...}, "host_by_call": {...}}``."""
+    d, f = _Dispatches(), _HostReads()
+    with f, d:
+        fn()
+    return {"launches": sum(d.launches.values()), "syncs": sum(d.syncs.values()), "host": sum(f.reads.values()),
+            "by_op": d.launches, "syncs_by_op": d.syncs, "host_by_call": f.reads}
+
+
+def uptime() -> str:
+    """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+@torch.no_grad()
+def compiled_step_kernels(preset: str = "cpu", batch: int = 8) -> dict:
+    """Compile ``Decoder.step`` for this machine (Inductor: C++ on a CPU, Triton on a GPU) and
+    count the kernels its generated ``call`` runs per step: GEMMs (``extern_kernels.*``) and
+    fused kernels (``cpp_fused_*`` / ``triton_*``)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(preset).eval()
+    ids = torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(0))
+    dec = Decoder(model, batch, 32, compile=False)
+    tok = dec.prefill(ids).argmax(-1)
+    t0 = time.perf_counter()
+    _, codes = run_and_get_code(torch.compile(dec._forward_step, fullgraph=True, dynamic=False), tok)
+    seconds = time.perf_counter() - t0
+    call = "\n".join(c.split("def call(", 1)[1].split("\n\n\n", 1)[0] for c in codes if "def call(" in c)
+    gemms = len(re.findall(r"^\s+extern_kernels\.\w+\(", call, re.M))
+    fused = len(re.findall(r"^\s+(?:cpp_fused\w*|triton_\w+\.run)\(", call, re.M))
+    return {"preset": preset, "batch": batch, "depth": model.cfg.depth, "gemms": gemms, "fused": fused,
+            "kernels": gemms + fused, "per_layer": (gemms + fused) / model.cfg.depth, "compile_s": seconds}
+
+
+@torch.no_grad()
+def decode_section(quick: bool) -> dict:
+    """``Decoder.step`` vs ``PerformerLM.step`` at each context: ms per step and dispatch counts."""
+    cfg = DECODE_QUICK if quick else DECODE
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(cfg["preset"]).eval()
+    B, depth, n = cfg["batch"], model.cfg.depth, cfg["tokens"]
+    g = torch.Generator().manual_seed(0)
+    load = {"before": uptime()}
+    calls, counts, prefill_s = {}, {}, {}
+    for c in cfg["contexts"]:
+        ids = torch.randint(0, 256, (B, c), generator=g)
+        mask = torch.ones(B, c, dtype=torch.bool)
+        mask[0, : c // 4] = False  # ragged: row 0 is a quarter shorter, so positions differ per row
+        t0 = time.perf_counter()
+        dec = Decoder(model, B, c + n + 4)
+        logits = dec.prefill(ids, mask)
+        prefill_s[c] = time.perf_counter() - t0
+        states = [type(s)(s.S.clone(), s.z.clone()) for s in dec.states]
+        st = {"tok": logits.argmax(-1), "states": states, "pos": mask.sum(1), "dec": dec, "dtok": logits.argmax(-1)}
+
+        def functional(st=st):
+            out, st["states"] = model.step(st["tok"], st["states"], st["pos"])
+            st["tok"], st["pos"] = out.argmax(-1), st["pos"] + 1
+
+        def decoder(st=st):
+            st["dtok"] = st["dec"].step(st["dtok"]).argmax(-1)
+
+        counts[f"step@{c}"] = count_dispatch(lambda st=st: model.step(st["tok"], st["states"], st["pos"]))
+        counts[f"decoder@{c}"] = count_dispatch(lambda st=st: st["dec"].step(st["dtok"]))
+        calls[f"step@{c}"], calls[f"decoder@{c}"] = functional, decoder
+    times = interleaved(calls, warmup=1, rounds=n)
+    load["after"] = uptime()
+    ms = {k: 1e3 * median(t) for k, t in times.items()}
+    per_layer = {k: {"launches": v["launches"] / depth, "syncs": v["syncs"] / depth, "host": v["host"] / depth}
+                 for k, v in counts.items()}
+    lo, hi = min(cfg["contexts"]), max(cfg["contexts"])
+    return {
+        "config": {**cfg, "threads": torch.get_num_threads(), "ragged": "row 0 a quarter shorter"},
+        "ms_per_step": ms,
+        "times_s": times,
+        "prefill_s": prefill_s,
+        "counts_per_step": {k: {x: v[x] for x in ("launches", "syncs", "host", "by_op", "syncs_by_op", "host_by_call")}
+                            for k, v in counts.items()},
+        "counts_per_layer": per_layer,
+        "load": load,
+        "ratio_decoder_longest_over_shortest": ms[f"decoder@{hi}"] / ms[f"decoder@{lo}"],
+        "speedup_decoder_over_step": {c: ms[f"step@{c}"] / ms[f"decoder@{c}"] for c in cfg["contexts"]},
+    }
 
 
 def make_performer(model: dict, max_seq_len: int):
@@ -84,6 +232,12 @@ def main(quick: bool = False, out_dir=None) -> dict:
     times = interleaved(calls, warmup=1, rounds=rounds)
     ms = {k: 1e3 * median(t) for k, t in times.items()}
 
+    dsec = decode_section(quick)
+    if not quick:  # minutes of C++ compilation on a CPU
+        try:
+            dsec["compiled"] = compiled_step_kernels()
+        except Exception as e:  # a machine without a compiler: say so, keep the rest
+            dsec["compiled"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     lo, hi, ref = min(cfg["contexts"]), max(cfg["contexts"]), cfg["ref_context"]
     flat = ms[f"ours@{hi}"] / ms[f"ours@{lo}"]
     vs = ms[f"performer@{ref}"] / ms[f"ours@{ref}"]
@@ -92,6 +246,14 @@ def main(quick: bool = False, out_dir=None) -> dict:
         o, p = ms.get(f"ours@{c}"), ms.get(f"performer@{c}")
         rows.append([c, o if o is not None else "not run", p if p is not None else "not run",
                      p / o if o and p else "-", prefill_s[c] if c in prefill_s else "-"])
+    drows = []
+    for c in DECODE_QUICK["contexts"] if quick else DECODE["contexts"]:
+        for kind in ("step", "decoder"):
+            k, cnt = f"{kind}@{c}", dsec["counts_per_layer"][f"{kind}@{c}"]
+            drows.append([k, dsec["ms_per_step"][k], cnt["launches"], cnt["syncs"], cnt["host"]])
+    worst = max(dsec["counts_per_layer"][k]["launches"] for k in dsec["counts_per_layer"] if k.startswith("decoder"))
+    dsyncs = sum(dsec["counts_per_step"][k]["syncs"] + dsec["counts_per_step"][k]["host"]
+                 for k in dsec["counts_per_step"] if k.startswith("decoder"))
     result = {
         "name": NAME,
         "quick": quick,
@@ -103,15 +265,23 @@ def main(quick: bool = False, out_dir=None) -> dict:
         "ratio_ours_longest_over_shortest": flat,
         "ratio_performer_over_ours": vs,
         "table": {"headers": ["context", "ours ms/token", "performer ms/token", "performer/ours", "ours prefill s"], "rows": rows},
+        "decoder": dsec,
+        "decoder_table": {"headers": ["batch 8, call@context", "ms/step", "launches/layer", "syncs/layer",
+                                      "host reads/layer"], "rows": drows},
         "targets": [
             target(f"ours@{hi} / ours@{lo} per-token latency", flat, "<=", TARGET_FLAT),
             target(f"performer@{ref} / ours@{ref} per-token latency", vs, ">=", TARGET_VS_PERFORMER),
+            target("Decoder.step launches per layer (eager, ragged rows)", worst, "<=", TARGET_LAUNCHES_PER_LAYER),
+            target("Decoder.step syncs and host reads per step", dsyncs, "<=", 0),
         ],
         "notes": [
+            f"decoder section: preset {dsec['config']['preset']}, batch {dsec['config']['batch']}, load (1/5/15 min) "
+            f"{dsec['load']['before']} before, {dsec['load']['after']} after.",
             f"depth {cfg['model']['depth']} for both models; ours: {cfg['tokens']} tokens per context, performer: "
             f"{cfg['performer_tokens']} (each a full forward pass over the context).",
         ],
     }
+    print(format_table(result["decoder_table"]["headers"], result["decoder_table"]["rows"]))
     return report(result, out_dir)
 
 

@@ -8,10 +8,10 @@ import typing
 from dataclasses import asdict, dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import RotaryLinearAttention
+from .decode import Decoder, check_temperature, sample_next  # noqa: F401 (re-exported)
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState
 from .ops.utils import check_mask
@@ -298,14 +298,17 @@ class PerformerLM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        compile: bool | None = None,
     ) -> bytes | list[bytes]:
         """Sample ``max_new_tokens`` bytes after ``prompt``; returns the new bytes only.
 
         ``prompt`` is bytes, or a list of prompts of any lengths (then a list comes back): they
         are left-padded into one batch, read once in parallel under a mask, and each row then
         decodes at its own positions, so every row gets what it gets alone. Every new token
-        costs one recurrent ``step`` per layer, O(1) in the context length. ``top_k=1`` (or
-        ``temperature=0``) is greedy decoding.
+        costs one recurrent step per layer, O(1) in the context length, on a ``Decoder``: the state
+        is updated in place and nothing waits for the device until the last token. ``top_k=1``
+        (or ``temperature=0``) is greedy decoding. ``compile``: compile the step (default: on
+        CUDA, as a CUDA graph; the first call then pays for the compile).
         """
         prompts = [prompt] if isinstance(prompt, (bytes, bytearray)) else prompt
         if not isinstance(prompts, (list, tuple)) or not prompts or not all(
@@ -329,55 +332,26 @@ class PerformerLM(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            out = self._decode(prompts, longest, max_new_tokens, temperature, top_k, generator)
+            out = self._decode(prompts, longest, max_new_tokens, temperature, top_k, generator, compile)
         finally:  # an error on the way (a bad id, an interrupt) leaves the mode as it was
             self.train(was_training)
-        new = torch.stack(out, dim=1).tolist() if out else [[] for _ in prompts]
-        res = [bytes(row) for row in new]
+        res = [bytes(row) for row in out.tolist()]  # the one read of the device: after the last step
         return res[0] if isinstance(prompt, (bytes, bytearray)) else res
 
-    def _decode(self, prompts, longest: int, max_new_tokens: int, temperature, top_k, generator) -> list:
-        """``generate``'s loop: one parallel read of the left-padded prompts, then recurrent steps."""
+    def _decode(self, prompts, longest: int, max_new_tokens: int, temperature, top_k, generator,
+                compile=None) -> torch.Tensor:
+        """``generate``'s loop on a ``Decoder``: one parallel read of the left-padded prompts, then
+        one in-place step per token; the new ids `[B, max_new_tokens]`, read by the caller once."""
         device = self.head.weight.device
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
-        mask = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
         for b, p in enumerate(prompts):  # left padding: every row's last token is at the end
             ids[b, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[b, longest - len(p):] = True
         ragged = any(len(p) != longest for p in prompts)
-        logits, states = self(ids, mask=mask if ragged else None, output_final_state=True)
-        logits = logits[:, -1].float()
-        position = mask.sum(1) if ragged else longest
-        out = []
-        for i in range(max_new_tokens):
-            nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                logits, states = self.step(nxt, states, position + i)
-                logits = logits.float()
-        return out
-
-
-def check_temperature(temperature) -> None:
-    """A finite number >= 0 (0: greedy); any positive value samples, however small."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-
-
-def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
-    """logits `[B, V]` -> token ids `[B]`."""
-    check_temperature(temperature)
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_k == 1 or temperature == 0:
-        return logits.argmax(-1)
-    if float(torch.tensor(temperature, dtype=logits.dtype)) == 0:  # 1e-300 is 0 in float32: x / 0
-        logits = logits.double()  # float64 holds it (finite and > 0: check_temperature)
-    # Shift the max to 0 first: a tiny temperature then sends the others to -inf, never inf - inf.
-    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        max_len = longest + max_new_tokens
+        if compile if compile is not None else device.type == "cuda":  # one compiled graph per power of two
+            max_len = 1 << max(8, (max_len - 1).bit_length())
+        dec = Decoder(self, len(prompts), max_len, compile=compile)
+        return dec.generate(ids.to(device), max_new_tokens, mask=mask.to(device) if ragged else None,
+                            temperature=temperature, top_k=top_k, generator=generator)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from linear_rope.decode import Decoder
 from linear_rope.model import LM_POSITIONS, MODEL_PRESETS, ModelConfig, PerformerLM
 
 
@@ -45,16 +46,16 @@ def test_greedy_generation_equals_full_forward(position):
 
 
 def test_sampling_is_seeded_and_respects_top_k(monkeypatch):
-    import linear_rope.model as model_mod
+    import linear_rope.decode as decode_mod
 
-    seen, sample = [], model_mod.sample_next
+    seen, sample = [], decode_mod.sample_next
 
     def recorded(logits, **kw):  # every sampled token with the logits it was drawn from
         tok = sample(logits, **kw)
         seen.append((logits.clone(), tok.clone()))
         return tok
 
-    monkeypatch.setattr(model_mod, "sample_next", recorded)
+    monkeypatch.setattr(decode_mod, "sample_next", recorded)
     model = tiny("rope").eval()
     a = model.generate([b"ab", b"xyz"], 20, temperature=2.0, top_k=5, generator=torch.Generator().manual_seed(0))
     assert len(seen) == 20 and all(len(t) == 20 for t in a)
@@ -179,7 +180,7 @@ def test_generate_leaves_the_model_in_the_mode_it_found_even_on_an_error(monkeyp
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model, "step", interrupted)
+    monkeypatch.setattr(Decoder, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         model.generate(b"ab", 3)
     assert model.training and all(m.training for m in model.modules())

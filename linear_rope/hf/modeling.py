@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..decode import Decoder
 from ..model import PerformerLM
 from ..ops import LinearAttentionState
 from ..softmax_attention import KVCache
@@ -32,6 +33,7 @@ class RecurrentCache:
 
     is_compileable = False  # generate() must not try to compile a static cache around it
     is_croppable = False
+    decoder = None  # (Decoder, the states list it serves): tokens with no padding step in place there
 
     def __init__(self, states: list, positions: torch.Tensor):
         self.states, self.positions = list(states), positions
@@ -174,6 +176,9 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         if len(cache) != len(self.model.blocks) or cache.positions.shape != ids.shape[:1]:
             raise ValueError(f"past_key_values: a cache of {len(cache)} layers and {cache.positions.shape[0]} rows "
                              f"does not fit this model ({len(self.model.blocks)} layers) and batch ({ids.shape[0]})")
+        dec = None if mask is not None else self._decoder(cache, ids.shape[1])
+        if dec is not None:  # no padding: the cache's Decoder steps in place, reading no value
+            return torch.stack([dec.step(ids[:, t]) for t in range(ids.shape[1])], dim=1)
         out = []
         for t in range(ids.shape[1]):
             pos = cache.positions
@@ -188,6 +193,22 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
             cache.states, cache.positions = states, pos
             out.append(logits)
         return torch.stack(out, dim=1)
+
+    def _decoder(self, cache: RecurrentCache, n: int) -> Decoder | None:
+        """The ``Decoder`` holding ``cache``'s state (linear variants; eager: ``generate()`` reads
+        a value every token anyway). Made again from ``cache.states`` where a padded token or
+        beam search replaced them, or when ``n`` more tokens would not fit (room for 1024 more)."""
+        if self.model.cfg.position == "softmax" or cache.positions.numel() == 0:
+            return None
+        held = cache.decoder
+        if held is not None and held[1] is cache.states and held[0].steps_left >= n:
+            return held[0]
+        lo, hi = (int(v) for v in torch.aminmax(cache.positions))
+        dec = Decoder(self.model, cache.positions.shape[0], hi - lo + max(n, 1024), compile=False)
+        dec.load(cache.states, cache.positions)
+        cache.states, cache.positions = dec.states, dec.positions  # live views of its buffers
+        cache.decoder = (dec, cache.states)
+        return dec
 
     @staticmethod
     def _next_byte_loss(logits, labels, num_items_in_batch=None) -> torch.Tensor:
