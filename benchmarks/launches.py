@@ -10,7 +10,7 @@ the device that runs the ops (only on shapes, the path and the plan of what the 
 
 The baseline in ``benchmarks/results/launches_baseline.json`` (the library as of commit 775219b)
 came from ``python -m benchmarks.launches --backend torch --n 1024 4096 --out
-benchmarks/results/launches_baseline.json``: 212 s on one CPU thread, most of it the compiled
+benchmarks/results/launches_baseline.json``: 2 to 4 minutes on one CPU thread, most of it the compiled
 decode step and the N = 4096 model steps.
 
 Counting rules (``Counter``):
@@ -38,13 +38,15 @@ Counting rules (``Counter``):
   so every buffer is a fresh allocation, as on a GPU.
 * **GEMM FLOPs** by operand dtype: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (2 per multiply-add),
   to show what runs in fp32 under bf16 autocast.
-* Each sync is attributed to the innermost stack frame in ``linear_rope/`` (file:line function),
-  each launch to the innermost ``linear_rope/`` file and function.
+* Each sync is attributed to the innermost stack frame in ``linear_rope/`` (file:line function)
+  and the ``linear_rope/`` frame that called it; each launch to the innermost ``linear_rope/``
+  file and function.
 
 Sizes: B = 1 (counts do not depend on B while the forward's keep plan is the same; the run checks
 B = 1 against B = 2 on a small model), bf16 autocast on the CPU. The model step and
-``Trainer.train_step`` are counted at depth 1, 2 and 3 and extrapolated to the preset's depth
-(launches = fixed + depth x per layer; the run asserts the three depths lie on a line).
+``Trainer.train_step`` are counted at depths 1 and 2 and extrapolated to the preset's depth
+(launches = fixed + depth x per layer); at the first N also at depth 3, and the run asserts the
+three lie on a line. The compiled decode step is counted at depths 1 and 2 the same way.
 """
 from __future__ import annotations
 
@@ -77,15 +79,17 @@ READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
 
 
 def _where(full: bool) -> str:
-    """The innermost frame in linear_rope/: 'linear_rope/x.py:12 fn' (or without the line)."""
-    f = sys._getframe(2)
-    while f is not None:
+    """The innermost frame in linear_rope/: 'linear_rope/x.py:12 fn' (or without the line); with
+    ``full``, also the linear_rope/ frame that called it ('... < linear_rope/y.py:34 caller'),
+    since the innermost is often a shared check."""
+    f, found = sys._getframe(2), []
+    while f is not None and len(found) < (2 if full else 1):
         name = f.f_code.co_filename
         if name.startswith(PKG):
             rel = "linear_rope/" + name[len(PKG):]
-            return f"{rel}:{f.f_lineno} {f.f_code.co_name}" if full else f"{rel} {f.f_code.co_name}"
+            found.append(f"{rel}:{f.f_lineno} {f.f_code.co_name}" if full else f"{rel} {f.f_code.co_name}")
         f = f.f_back
-    return "(outside linear_rope)"
+    return " < ".join(found) or "(outside linear_rope)"
 
 
 class Counter:
