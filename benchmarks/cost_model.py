@@ -1,13 +1,17 @@
-"""A roofline cost model of causal Eq. 19 fwd+bwd on an H100: four paths, arithmetic only.
+"""A roofline cost model of causal Eq. 19 fwd+bwd on an H200: five paths, arithmetic only.
 
     python -m benchmarks.cost_model        # prints the table, writes benchmarks/results/cost_model.json
 
-ESTIMATES: no GPU measured any of these numbers. Each path is split into phases; a phase's time
-is max(FLOPs / peak, HBM bytes / bandwidth) at the peak of the units it runs on, and a path's
-time is the sum over its phases. Real kernels reach a fraction of these peaks (occupancy,
-latency, launches, the serial chunk walk), so every time here is a lower bound of its kind;
-the ratios between paths are the point. Per head (the totals multiply by G = B*H), with
-N tokens, d = 64 (head), m = 266 (FAVOR+ features), e = 64 (values), bf16 inputs:
+ESTIMATES: no GPU measured these numbers. Each path is split into phases; a phase's time is
+max(FLOPs / peak, HBM bytes / bandwidth) at the peak of the units it runs on, and the device
+time is the sum over its phases. The host time is the path's dispatcher calls x ``US_PER_CALL``
+(9 us: ``benchmarks.launches`` counts the calls, and the H200's 11.2 ms for one B = 1 call of
+the torch path and its 25.4 ms per decode step give 8.1 and 10.5 us per call). The host
+issues work while the GPU runs it, so a call takes max(device, host): the bound column says
+which. Real kernels reach a fraction of these peaks (occupancy, latency, the serial chunk
+walk), so every time here is a lower bound of its kind; the ratios between paths are the point.
+Per head (the device totals multiply by G = B*H; the host's calls do not), with N tokens,
+d = 64 (head), m = 266 (FAVOR+ features), e = 64 (values), bf16 inputs:
 
 * FLOPs: 2 per multiply-add; the backward counts 2x the forward (gradients of both operands of
   every product), so fwd+bwd = 3x forward, as ``benchmarks.attention.ours_flops``; flash SDPA's
@@ -27,8 +31,21 @@ import math
 from pathlib import Path
 
 D, M, E = 64, 266, 64
-PEAK = {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}  # H100 SXM dense, FLOP/s
-BW = 3.35e12  # HBM3, bytes/s
+DEVICE = "H200"
+PEAK = {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}  # H200 dense, FLOP/s (the H100 SXM's GH100 die)
+BW = 4.8e12  # H200 HBM3e, bytes/s
+US_PER_CALL = 9.0  # host time per dispatcher call (benchmarks.launches' calibration)
+BLOCK = 256  # the torch path's block walk: its calls grow per block of 256 tokens
+# Dispatcher calls of one fwd+bwd call, counted by benchmarks.launches (``torch_path_calls``,
+# ``fla_path_calls``, ``triton_path_calls``; B = 1, H = 12, bf16, FAVOR+ inside; tests/
+# test_cost_model.py recounts them). The torch path: fixed + per block of 256 tokens, for the
+# buffers its forward keeps for the backward at the call's size (``chunk_fwd.keep_plan``: what
+# does not fit 512 MiB is recomputed block by block, more calls).
+TORCH_CALLS = {("A", "S", "phk", "phq", "z"): (158, 305), ("A", "S", "z"): (160, 326), ("A",): (160, 344),
+               (): (161, 345)}
+FLA_CALLS = 355  # the fla-backed path's eager torch ops (features, RoPE, pads, casts, sums) + 4 x 6 fla kernels
+TRITON_CALLS = 111  # 3 + 4 kernels and the wrapper's torch ops (107 at N = 4096: the backward differs a little)
+SDPA_CALLS = 10  # flash SDPA's op and its backward with their copies (counted on the CPU's flash op)
 SHAPES = [(32, 12, 1024), (8, 12, 4096), (8, 12, 16384), (8, 12, 32768)]  # (B, H, N): B*H = 384, 96, 96, 96
 OUT = Path(__file__).resolve().parent / "results" / "cost_model.json"
 
@@ -60,37 +77,28 @@ def torch_path(N, peak="fp32"):
 
 
 def fla_path(N):
-    """The fla-backed path (linear_rope/ops/fla_path.py). Phase 1, torch: FAVOR+ in float32
-    (projection GEMM on the FP32 units) and RoPE, as the torch path's 2 x 11 fp32 [N, m]
-    passes, then the four bf16 tensors fla gets (rq, rk, fq, fk), each read once in fp32 and
-    copied 3 times in bf16 (pad, cast, [B, T, H, K] layout): 4 x (4 + 3 x 2 x 2) N m bytes; the
-    sum of the blocks' outputs and the division, 8 fp32 [N, e] passes; backward 2x.
+    """The fla-backed path (linear_rope/ops/fla_path.py), priced by its work. Phase 1: FAVOR+
+    and RoPE as one pass that reads q, k (bf16) and writes the four bf16 tensors fla gets in its
+    layout (rq, rk, fq, fk), and in the backward reads their four gradients and writes dq, dk;
+    the exponent products at 3x TF32 (TF32x3, as our kernels); the blocks' sum and the division
+    4 fp32 [N, e] passes, backward 2x. Today that pass is some 200 eager torch ops (fp32 [N, m]
+    passes, pads and casts per feature block): their cost is in the host term (``FLA_CALLS``),
+    not here.
     Phase 2, fla's ``chunk_linear_attn`` (C = 64, bf16 operands, states h [N/C, K, V] in bf16):
     forward reads q once, k and v twice, writes and reads h, writes o: 2 (3NK + 3NV + 2 (N/C) K V)
     bytes; backward (h recomputed, dh, dv, dq / dk kernels) 2 (8NK + 6NV + 5 (N/C) K V): in all
     2 (11NK + 9NV + 7 (N/C) K V). The numerator runs as 2 feature blocks (m = 266 > 256): v and
     its gradient are read per block. The denominator: V = 2 columns of ones, tiles of 16."""
     C, blocks = 64, math.ceil(M / 256)
-    f_torch = 4 * N * D * M
-    b_torch = 3 * (4 * 2 * 11 * N * M + 4 * (4 + 12) * N * M + 4 * 8 * N * E) + 2 * 3 * N * D
+    f_feat = 3 * 4 * N * D * M * 3
+    b_feat = 2 * (2 * N * D * 2) + 2 * (4 * N * M * 2) + 3 * 4 * 4 * N * E
 
     def fla_bytes(K, V, nb):
         return 2 * (11 * N * K + 9 * N * V * nb + 7 * (N / C) * K * V)
     f_fla = chunked(N, M, E, C) + chunked(N, M, 2, C, Vtile=16)
     b_fla = fla_bytes(M, E, blocks) + fla_bytes(M, 2, blocks)
-    return [phase("features + RoPE (torch, fp32)", 3 * f_torch, b_torch, "fp32"),
+    return [phase("features + RoPE (by their work, TF32x3)", f_feat, b_feat, "tf32"),
             phase("fla chunk_linear_attn x2 (bf16)", 3 * f_fla, b_fla, "bf16")]
-
-
-def fla_fused_features_path(N):
-    """Not built: the fla-backed path with FAVOR+ and RoPE in one small kernel (the issue's other
-    option) that reads q, k (bf16) and writes the four bf16 tensors fla gets in its layout, and
-    in the backward reads their four gradients and writes dq, dk; the exponent products at 3x
-    TF32 (TF32x3, as our kernels). fla's phase as in ``fla_path``; the blocks' sum and the
-    division 4 fp32 [N, e] passes, backward 2x."""
-    f_feat = 3 * 4 * N * D * M * 3
-    b_feat = 2 * (2 * N * D * 2) + 2 * (4 * N * M * 2) + 3 * 4 * 4 * N * E
-    return [phase("features + RoPE (one kernel, TF32x3)", f_feat, b_feat, "tf32"), fla_path(N)[1]]
 
 
 def triton_path(N):
@@ -141,41 +149,66 @@ def sdpa_path(N):
     return [phase("flash kernels (bf16)", f, b, "bf16")]
 
 
+def torch_calls(G, N):
+    """The torch path's dispatcher calls for one call of G = B*H heads of N tokens."""
+    from linear_rope.ops.chunk_fwd import keep_plan
+
+    C = 64
+    kept = tuple(sorted(keep_plan((N // C, G, C, M, E), True, True, _F32, sizes_only=True)))
+    fixed, per_block = TORCH_CALLS[kept]
+    return fixed + per_block * math.ceil(N / BLOCK)
+
+
+_F32 = None  # a float32 tensor for keep_plan's element size (made at first use: torch imports then)
+
 PATHS = {"torch path (fp32)": torch_path, "torch path (TF32 allowed)": lambda N: torch_path(N, "tf32"),
-         "fla-backed": fla_path, "fla-backed, fused features*": fla_fused_features_path,
-         "our Triton kernels": triton_path, "flash SDPA": sdpa_path}
+         "fla-backed": fla_path, "our Triton kernels": triton_path, "flash SDPA": sdpa_path}
+CALLS = {"torch path (fp32)": torch_calls, "torch path (TF32 allowed)": torch_calls,
+         "fla-backed": lambda G, N: FLA_CALLS, "our Triton kernels": lambda G, N: TRITON_CALLS,
+         "flash SDPA": lambda G, N: SDPA_CALLS}
 
 
 def table():
+    global _F32
+    if _F32 is None:
+        import torch
+
+        _F32 = torch.empty(0)
     rows = []
     for B, H, N in SHAPES:
         G = B * H
         for name, fn in PATHS.items():
             ph = fn(N)
+            device_ms = G * sum(p["ms"] for p in ph)
+            calls = CALLS[name](G, N)
+            host_ms = calls * US_PER_CALL / 1e3
             rows.append({"B": B, "H": H, "N": N, "path": name,
                          "gflop": G * sum(p["flops"] for p in ph) / 1e9,
                          "gbyte": G * sum(p["bytes"] for p in ph) / 1e9,
-                         "ms": G * sum(p["ms"] for p in ph),
+                         "device_ms": device_ms, "host_calls": calls, "host_ms": host_ms,
+                         "ms": max(device_ms, host_ms), "bound": "host" if host_ms > device_ms else "device",
                          "phases": [dict(p, flops=G * p["flops"], bytes=G * p["bytes"], ms=G * p["ms"]) for p in ph]})
     return rows
 
 
 def main() -> None:
     rows = table()
-    head = f"{'B':>3} {'H':>3} {'N':>6}  {'path':<30} {'GFLOP':>9} {'GB':>8} {'est. ms':>9}  bound per phase"
-    print("ESTIMATES (roofline arithmetic, H100 SXM: bf16 989, TF32 494, FP32 67 TFLOP/s, 3.35 TB/s); no GPU "
-          "measured these.")
+    head = (f"{'B':>3} {'H':>3} {'N':>6}  {'path':<26} {'GFLOP':>8} {'GB':>7} {'dev. ms':>8} {'calls':>6} "
+            f"{'host ms':>8} {'est. ms':>8}  bound (phases)")
+    print(f"ESTIMATES (roofline arithmetic, {DEVICE}: bf16 989, TF32 494, FP32 67 TFLOP/s, {BW / 1e12:.1f} TB/s; "
+          f"host {US_PER_CALL:g} us per dispatcher call); no GPU measured these.")
     print(head)
     for r in rows:
         bound = ", ".join(f"{p['peak']}:{'FLOPs' if p['flops'] / PEAK[p['peak']] >= p['bytes'] / BW else 'bytes'}"
                           for p in r["phases"])
-        print(f"{r['B']:>3} {r['H']:>3} {r['N']:>6}  {r['path']:<30} {r['gflop']:>9.1f} {r['gbyte']:>8.2f} "
-              f"{r['ms']:>9.3f}  {bound}")
+        print(f"{r['B']:>3} {r['H']:>3} {r['N']:>6}  {r['path']:<26} {r['gflop']:>8.1f} {r['gbyte']:>7.2f} "
+              f"{r['device_ms']:>8.3f} {r['host_calls']:>6} {r['host_ms']:>8.3f} {r['ms']:>8.3f}  "
+              f"{r['bound']} ({bound})")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"note": "estimates from arithmetic (benchmarks/cost_model.py); no GPU measured them",
-                               "peaks_flop_s": PEAK, "hbm_bytes_s": BW, "d": D, "m": M, "e": E,
+                               "device": DEVICE, "peaks_flop_s": PEAK, "hbm_bytes_s": BW,
+                               "us_per_dispatcher_call": US_PER_CALL, "d": D, "m": M, "e": E,
                                "dtype": "bf16 inputs", "mode": "fwd+bwd", "rows": rows}, indent=1) + "\n")
-    print("* not built: the fla-backed path with its torch feature pass replaced by one kernel")
     print(f"wrote {OUT.relative_to(OUT.parents[2])}")
 
 

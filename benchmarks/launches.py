@@ -10,7 +10,7 @@ the device that runs the ops (only on shapes, the path and the plan of what the 
 
 The baseline in ``benchmarks/results/launches_baseline.json`` (the library as of commit 775219b)
 came from ``python -m benchmarks.launches --backend torch --n 1024 4096 --out
-benchmarks/results/launches_baseline.json``: 212 s on one CPU thread, most of it the compiled
+benchmarks/results/launches_baseline.json``: 2 to 4 minutes on one CPU thread, most of it the compiled
 decode step and the N = 4096 model steps.
 
 Counting rules (``Counter``):
@@ -38,13 +38,15 @@ Counting rules (``Counter``):
   so every buffer is a fresh allocation, as on a GPU.
 * **GEMM FLOPs** by operand dtype: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (2 per multiply-add),
   to show what runs in fp32 under bf16 autocast.
-* Each sync is attributed to the innermost stack frame in ``linear_rope/`` (file:line function),
-  each launch to the innermost ``linear_rope/`` file and function.
+* Each sync is attributed to the innermost stack frame in ``linear_rope/`` (file:line function)
+  and the ``linear_rope/`` frame that called it; each launch to the innermost ``linear_rope/``
+  file and function.
 
 Sizes: B = 1 (counts do not depend on B while the forward's keep plan is the same; the run checks
 B = 1 against B = 2 on a small model), bf16 autocast on the CPU. The model step and
-``Trainer.train_step`` are counted at depth 1, 2 and 3 and extrapolated to the preset's depth
-(launches = fixed + depth x per layer; the run asserts the three depths lie on a line).
+``Trainer.train_step`` are counted at depths 1 and 2 and extrapolated to the preset's depth
+(launches = fixed + depth x per layer); at the first N also at depth 3, and the run asserts the
+three lie on a line. The compiled decode step is counted at depths 1 and 2 the same way.
 """
 from __future__ import annotations
 
@@ -77,15 +79,17 @@ READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
 
 
 def _where(full: bool) -> str:
-    """The innermost frame in linear_rope/: 'linear_rope/x.py:12 fn' (or without the line)."""
-    f = sys._getframe(2)
-    while f is not None:
+    """The innermost frame in linear_rope/: 'linear_rope/x.py:12 fn' (or without the line); with
+    ``full``, also the linear_rope/ frame that called it ('... < linear_rope/y.py:34 caller'),
+    since the innermost is often a shared check."""
+    f, found = sys._getframe(2), []
+    while f is not None and len(found) < (2 if full else 1):
         name = f.f_code.co_filename
         if name.startswith(PKG):
             rel = "linear_rope/" + name[len(PKG):]
-            return f"{rel}:{f.f_lineno} {f.f_code.co_name}" if full else f"{rel} {f.f_code.co_name}"
+            found.append(f"{rel}:{f.f_lineno} {f.f_code.co_name}" if full else f"{rel} {f.f_code.co_name}")
         f = f.f_back
-    return "(outside linear_rope)"
+    return " < ".join(found) or "(outside linear_rope)"
 
 
 class Counter:
@@ -212,6 +216,107 @@ def attention_layer(cfg, N: int, B: int = 1) -> dict:
         g = collections.Counter(f["gemm_gflop"]) + collections.Counter(b["gemm_gflop"])
         res[f"{part}_fwd_bwd"]["gemm_gflop"] = {k: round(v, 4) for k, v in sorted(g.items())}
     return res
+
+
+# fla-core 0.6.0's chunk_linear_attn (simple_gla with no gates): forward chunk_fwd_h, chunk_fwd_o;
+# backward chunk_fwd_h (recomputed), chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv.
+FLA_KERNELS = {"fwd": 2, "bwd": 4}
+
+
+class _FlaStandIn(torch.autograd.Function):
+    """fla's kernel for counting: outputs of the right shapes, no ATen op of its own."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.shapes = (q, k, v)
+        return torch.empty_like(v)
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(torch.empty_like(t) for t in ctx.shapes)
+
+
+def fla_path_calls(H: int = 2, N: int = 64, d: int = 64, m: int = 266) -> dict:
+    """The fla-backed path's fwd+bwd (``ops/fla_path.py``, bf16, FAVOR+ inside): its torch ops
+    counted (fla's kernels stood in by ``_FlaStandIn``), plus fla's kernel launches
+    (``FLA_KERNELS`` per ``chunk_linear_attn`` call). No block walk: the counts do not depend on N."""
+    from linear_rope.features import FavorFeatures
+    from linear_rope.ops import fla_path
+
+    calls = []
+
+    def kernel(q, k, v, *, initial_state=None, output_final_state=False, **_):
+        calls.append(1)
+        return _FlaStandIn.apply(q, k, v), None
+    old = fla_path._kernel
+    fla_path._kernel = lambda: kernel
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        w = FavorFeatures(d, m).projection
+        fwd, y = count(fla_path.fla_rotary_linear_attention, q, k, v, projection=w)
+        n = len(calls)
+        bwd, _ = count(y.backward, torch.ones_like(y))
+    finally:
+        fla_path._kernel = old
+    kf, kb = n * FLA_KERNELS["fwd"], n * FLA_KERNELS["bwd"]
+    return {"fla_calls": n,
+            "fwd": {"torch_launches": fwd.launches, "dispatcher_calls": fwd.calls + kf, "fla_kernels": kf},
+            "bwd": {"torch_launches": bwd.launches, "dispatcher_calls": bwd.calls + kb, "fla_kernels": kb},
+            "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls + kf + kb}
+
+
+def torch_path_calls(N: int, kept=None, H: int = 12, d: int = 64, m: int = 266) -> dict:
+    """The torch path's fwd+bwd (the op alone, bf16, FAVOR+ inside, B = 1) with the forward keeping
+    only the buffers named in ``kept`` for the backward (None: what ``chunk_fwd.keep_plan``
+    keeps at this size), as it keeps at a larger B·H·N: the rest is recomputed per block."""
+    from linear_rope.features import FavorFeatures
+    from linear_rope.ops import chunk_fwd
+
+    plan = chunk_fwd.keep_plan
+    if kept is not None:
+        chunk_fwd.keep_plan = lambda *a, **k: {n: b for n, b in plan(*a, **k).items() if n in kept}
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        fwd, y = count(rotary_linear_attention_op(), q, k, v, projection=FavorFeatures(d, m).projection)
+        bwd, _ = count(y.backward, torch.ones_like(y))
+    finally:
+        chunk_fwd.keep_plan = plan
+    return {"fwd": _m(fwd), "bwd": _m(bwd), "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls}
+
+
+def rotary_linear_attention_op():
+    from linear_rope import rotary_linear_attention
+
+    return rotary_linear_attention
+
+
+def triton_path_calls(H: int = 12, N: int = 1024, d: int = 64, m: int = 266) -> dict:
+    """Our Triton path's fwd+bwd (``ops/triton/chunk.py``, bf16, FAVOR+ inside): its torch ops
+    counted, and each kernel launch counted as one call in place of running it (its outputs are
+    left as allocated: only the counts mean anything). The grid covers N: no per-block launches."""
+    from linear_rope.features import FavorFeatures
+    from linear_rope.ops.triton import chunk as tc
+
+    kernels = []
+    old = tc._launch, tc.supports
+    tc._launch = lambda name, *a, **k: kernels.append(name)
+    tc.supports = lambda *a, **k: (True, "")
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        w = FavorFeatures(d, m).projection
+        fwd, y = count(tc.rotary_linear_attention, q, k, v, projection=w)
+        nf = len(kernels)
+        bwd, _ = count(y.backward, torch.ones_like(y))
+    finally:
+        tc._launch, tc.supports = old
+    nb = len(kernels) - nf
+    return {"kernels": {"fwd": nf, "bwd": nb},
+            "fwd": {"torch_launches": fwd.launches, "dispatcher_calls": fwd.calls + nf},
+            "bwd": {"torch_launches": bwd.launches, "dispatcher_calls": bwd.calls + nb},
+            "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls + nf + nb}
 
 
 def model_step(cfg, N: int, B: int = 1) -> dict:
@@ -436,7 +541,8 @@ def calibration(res: dict, ns) -> dict:
         return {**out, "note": "the H200's timings are of the paper preset; not compared here"}
     if 1024 in ns:
         calls = res["attention"][1024]["op_fwd_bwd"]["dispatcher_calls"]
-        out["op_fwd_bwd_B1_N1024"] = {"dispatcher_calls": calls, "h200_ms": 11.2, "us_per_call": round(11.2e3 / calls, 2)}
+        out["op_fwd_bwd_B1_N1024"] = {"dispatcher_calls": calls, "h200_ms": 11.2,
+                                      "us_per_call": round(11.2e3 / calls, 2)}
     calls = res["decode"]["PerformerLM.step"]["eager"]["dispatcher_calls"]
     out["decode_step_B8"] = {"dispatcher_calls": calls, "h200_ms": 25.4, "us_per_call": round(25.4e3 / calls, 2)}
     return out

@@ -129,6 +129,7 @@ def test_quick_run_writes_its_json(tmp_path, monkeypatch):
     steady = data["train_step"]["64"]["steady"]
     assert steady["depth_2"]["syncs"] >= 1 and steady["sync_sources"]
     assert all(k.startswith("linear_rope/") for k in steady["sync_sources"])
+    assert any(" require < linear_rope/" in k for k in steady["sync_sources"])  # the shared check's caller
     assert set(data["decode"]) == set(L.DECODERS)
     assert data["decode"]["PerformerLM.step"]["eager"]["launches"] > 0
     assert data["dynamo"]["graphs"] >= 1
