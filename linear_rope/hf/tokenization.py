@@ -32,6 +32,8 @@ class ByteTokenizer(PreTrainedTokenizer):
         return ord(token) if len(token) == 1 and ord(token) < 256 else self.pad_token_id
 
     def _convert_id_to_token(self, index: int) -> str:
+        if not 0 <= index < 256:  # never dropped in silence: an id past the bytes is not text
+            raise ValueError(f"token id {index} is not a byte (0..255): ByteTokenizer cannot decode it")
         return chr(index)
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
