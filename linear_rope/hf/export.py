@@ -84,6 +84,8 @@ def write_folder(hf: LinearRopeForCausalLM, folder: Path) -> None:
     tok = folder / "tokenizer_config.json"
     tok.write_text(json.dumps({**json.loads(tok.read_text()), "auto_map": TOKENIZER_AUTO_MAP}, indent=2) + "\n")
     (folder / REMOTE_CODE_FILE).write_text(REMOTE_CODE)
+    for f in folder.iterdir():  # some writers go through mkstemp (0600): what the umask gives instead
+        f.chmod(0o666 & ~_umask())
 
 
 def _umask() -> int:
