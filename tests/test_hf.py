@@ -73,6 +73,10 @@ def test_sampling_draws_what_performer_lm_draws(position):
     torch.manual_seed(7)
     got = hf.generate(**encode(PROMPTS), max_new_tokens=NEW, do_sample=True, top_k=40, top_p=1.0, temperature=1.0)
     assert new_bytes(got) == want
+    torch.manual_seed(8)  # PerformerLM.generate's defaults (temperature 1, every byte): top_k=0 here
+    want = lm.generate(PROMPTS, NEW)
+    torch.manual_seed(8)
+    assert new_bytes(hf.generate(**encode(PROMPTS), max_new_tokens=NEW, do_sample=True, top_k=0)) == want
 
 
 @pytest.mark.parametrize("position", ["rope_norm", "softmax"])

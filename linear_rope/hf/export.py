@@ -78,7 +78,6 @@ def check_out_dir(out) -> Path:
 def write_folder(hf: LinearRopeForCausalLM, folder: Path) -> None:
     """``save_pretrained`` of the model and the tokenizer, plus the remote code and its auto_map."""
     hf.config.auto_map = dict(AUTO_MAP)
-    hf.generation_config.do_sample = False  # greedy unless asked: pipeline() would sample otherwise
     hf.save_pretrained(folder)
     ByteTokenizer().save_pretrained(folder)
     tok = folder / "tokenizer_config.json"

@@ -87,6 +87,8 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = PerformerLM(config.to_model_config())
         self.post_init()
+        if self.generation_config is not None:  # stated, so that pipeline() does not sample by its own default
+            self.generation_config.do_sample = False
 
     def _init_weights(self, module):
         """Nothing: ``PerformerLM`` initialises its weights (GPT-2 style) and draws its FAVOR+
