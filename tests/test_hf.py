@@ -4,7 +4,10 @@ Greedy ``generate`` equals ``PerformerLM.generate`` token for token, left-padded
 each prompt alone, sampling follows the same draws, beam search on the recurrent cache equals
 beam search recomputing every prefix, the loss is the trainer's, ``save_pretrained`` /
 ``from_pretrained`` round-trip bit for bit in safetensors (and load offline in a fresh
-interpreter after ``import linear_rope.hf``), and an exported training run reproduces its val BPC.
+interpreter after ``import linear_rope.hf``, or with ``trust_remote_code=True`` and no import), an
+exported training run reproduces its val BPC, a cache of a prompt's prefix continues where it
+ends, and what cannot be right (weights a folder lacks, ids past the bytes, positions past the
+``absolute`` table) is refused in one line.
 Skipped when transformers is not installed (``pip install -e ".[hf]"``).
 """
 from __future__ import annotations
@@ -145,6 +148,10 @@ def test_save_and_load_round_trip_bitwise_in_safetensors(position, tmp_path):
     hf.save_pretrained(tmp_path)
     ByteTokenizer().save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
+    assert (tmp_path / "modeling_linear_rope.py").is_file()  # and auto_map: trust_remote_code loads it
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "modeling_linear_rope.LinearRopeForCausalLM"
+    assert "AutoTokenizer" in json.loads((tmp_path / "tokenizer_config.json").read_text())["auto_map"]
     back = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(back) is LinearRopeForCausalLM and back.config.to_model_config() == lm.cfg
     want, got = hf.state_dict(), back.state_dict()

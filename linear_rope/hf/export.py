@@ -18,7 +18,6 @@ loads it without ``import linear_rope.hf``. Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -32,29 +31,7 @@ from ..model import PerformerLM
 from .modeling import LinearRopeForCausalLM
 from .tokenization import ByteTokenizer
 
-__all__ = ["export_run", "main", "REMOTE_CODE"]
-
-REMOTE_CODE_FILE = "modeling_linear_rope.py"
-REMOTE_CODE = '''"""linear_rope\'s Hugging Face classes, for ``trust_remote_code=True``. The code is the installed
-``linear_rope`` package\'s (with its [hf] extra): this file only names its classes."""
-from linear_rope.hf import configuration, modeling, tokenization
-
-
-class LinearRopeConfig(configuration.LinearRopeConfig):
-    pass
-
-
-class LinearRopeForCausalLM(modeling.LinearRopeForCausalLM):
-    config_class = LinearRopeConfig
-
-
-class ByteTokenizer(tokenization.ByteTokenizer):
-    pass
-'''
-AUTO_MAP = {"AutoConfig": "modeling_linear_rope.LinearRopeConfig",
-            "AutoModelForCausalLM": "modeling_linear_rope.LinearRopeForCausalLM"}
-TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["modeling_linear_rope.ByteTokenizer", None]}
-
+__all__ = ["export_run", "main"]
 
 def load_run(path) -> tuple[PerformerLM, dict]:
     """The run's model (eval mode) and ``{"checkpoint", "step", "val_bpc", "test_bpc"}``, verified
@@ -76,13 +53,9 @@ def check_out_dir(out) -> Path:
 
 
 def write_folder(hf: LinearRopeForCausalLM, folder: Path) -> None:
-    """``save_pretrained`` of the model and the tokenizer, plus the remote code and its auto_map."""
-    hf.config.auto_map = dict(AUTO_MAP)
-    hf.save_pretrained(folder)
+    """``save_pretrained`` of the model and the tokenizer, every file as the umask gives it."""
+    hf.save_pretrained(folder)  # both write the remote code and its auto_map
     ByteTokenizer().save_pretrained(folder)
-    tok = folder / "tokenizer_config.json"
-    tok.write_text(json.dumps({**json.loads(tok.read_text()), "auto_map": TOKENIZER_AUTO_MAP}, indent=2) + "\n")
-    (folder / REMOTE_CODE_FILE).write_text(REMOTE_CODE)
     for f in folder.iterdir():  # some writers go through mkstemp (0600): what the umask gives instead
         f.chmod(0o666 & ~_umask())
 

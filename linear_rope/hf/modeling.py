@@ -19,6 +19,7 @@ from ..model import PerformerLM
 from ..ops import LinearAttentionState
 from ..softmax_attention import KVCache
 from .configuration import LinearRopeConfig
+from .remote import AUTO_MAP, write_remote_code
 
 __all__ = ["LinearRopeForCausalLM", "RecurrentCache"]
 
@@ -116,6 +117,14 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
             hf = cls(LinearRopeConfig.from_model_config(lm.cfg, **config_kwargs))
         hf.model = lm
         return hf.train(lm.training)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, plus ``modeling_linear_rope.py`` and the config's
+        ``auto_map``: the folder loads with ``trust_remote_code=True`` and no ``import linear_rope.hf``."""
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        write_remote_code(save_directory)
+        return out
 
     def get_input_embeddings(self):
         return self.model.tok_emb
