@@ -242,7 +242,7 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
                 kwargs.get("max_length", cfg.max_length)
             if total is not None and total > self.config.seq_len + 1:
                 raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.config.seq_len} "
-                                 f"(the prompt and the new tokens come to {total} positions, at most "
+                                 f"(the prompt and the new tokens come to {total} tokens, at most "
                                  f"{self.config.seq_len + 1} fit)")
         return super().generate(*args, **kwargs)
 
