@@ -54,6 +54,8 @@ class ModelConfig:
         for f in ("vocab_size", "dim", "depth", "heads", "dim_head", "seq_len", "ff_mult"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.vocab_size > 256:  # generate() returns bytes: an id past 255 has no byte to be
+            raise ValueError(f"vocab_size must be <= 256 (the model is byte-level), got {self.vocab_size}")
         if self.feature_redraw_interval < 0:
             raise ValueError(f"feature_redraw_interval must be >= 0, got {self.feature_redraw_interval}")
         if not 0.0 <= self.dropout < 1.0:

@@ -161,6 +161,18 @@ MUTANTS = [
            "d, z = _fla(F.pad(fq[..., s:t], pad).to(fdt), F.pad(fk[..., s:t], pad).to(fdt),",
            "d, z = _fla(F.pad(rq[..., s:t], pad).to(fdt), F.pad(rk[..., s:t], pad).to(fdt),",
            ["tests/test_fla_path.py", "-k", "matches_reference and none-features-rope"]),
+    Mutant("Hugging Face generate reads only the last token after a prefix cache", "linear_rope/hf/modeling.py",
+           "input_ids = input_ids[:, cache.seen:]", "input_ids = input_ids[:, -1:]",
+           ["tests/test_hf.py", "-k", "prefix"]),
+    Mutant("Hugging Face from_pretrained keeps weights the folder lacks", "linear_rope/hf/modeling.py",
+           '        check_loaded(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))\n', "",
+           ["tests/test_hf.py", "-k", "lacks"]),
+    Mutant("export skips sample's checkpoint verification", "linear_rope/hf/export.py",
+           "    model, ckpt, path = load_verified(path)\n",
+           "    from ..enwik8.checkpoint import load_checkpoint, resolve_checkpoint\n"
+           "    from ..model import ModelConfig\n    path = resolve_checkpoint(path)\n    ckpt = load_checkpoint(path)\n"
+           "    model = PerformerLM(ModelConfig(**ckpt['config']['model']))\n    model.load_state_dict(ckpt['model'])\n",
+           ["tests/test_export.py", "-k", "nan_weights or wrong_digest"]),
 ]
 
 

@@ -4,7 +4,10 @@ Greedy ``generate`` equals ``PerformerLM.generate`` token for token, left-padded
 each prompt alone, sampling follows the same draws, beam search on the recurrent cache equals
 beam search recomputing every prefix, the loss is the trainer's, ``save_pretrained`` /
 ``from_pretrained`` round-trip bit for bit in safetensors (and load offline in a fresh
-interpreter after ``import linear_rope.hf``), and an exported training run reproduces its val BPC.
+interpreter after ``import linear_rope.hf``, or with ``trust_remote_code=True`` and no import), an
+exported training run reproduces its val BPC, a cache of a prompt's prefix continues where it
+ends, and what cannot be right (weights a folder lacks, ids past the bytes, positions past the
+``absolute`` table) is refused in one line.
 Skipped when transformers is not installed (``pip install -e ".[hf]"``).
 """
 from __future__ import annotations
@@ -73,6 +76,10 @@ def test_sampling_draws_what_performer_lm_draws(position):
     torch.manual_seed(7)
     got = hf.generate(**encode(PROMPTS), max_new_tokens=NEW, do_sample=True, top_k=40, top_p=1.0, temperature=1.0)
     assert new_bytes(got) == want
+    torch.manual_seed(8)  # PerformerLM.generate's defaults (temperature 1, every byte): top_k=0 here
+    want = lm.generate(PROMPTS, NEW)
+    torch.manual_seed(8)
+    assert new_bytes(hf.generate(**encode(PROMPTS), max_new_tokens=NEW, do_sample=True, top_k=0)) == want
 
 
 @pytest.mark.parametrize("position", ["rope_norm", "softmax"])
@@ -141,6 +148,10 @@ def test_save_and_load_round_trip_bitwise_in_safetensors(position, tmp_path):
     hf.save_pretrained(tmp_path)
     ByteTokenizer().save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
+    assert (tmp_path / "modeling_linear_rope.py").is_file()  # and auto_map: trust_remote_code loads it
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "modeling_linear_rope.LinearRopeForCausalLM"
+    assert "AutoTokenizer" in json.loads((tmp_path / "tokenizer_config.json").read_text())["auto_map"]
     back = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(back) is LinearRopeForCausalLM and back.config.to_model_config() == lm.cfg
     want, got = hf.state_dict(), back.state_dict()
@@ -282,3 +293,137 @@ def test_the_docs_example_runs(tmp_path, capsys):
     exec(compile(code.replace('"hf/rope-seed0"', repr(str(tmp_path / "hf"))), "docs/hf.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "The " in printed and "Rotary position " in printed and "generated_text" in printed
+
+
+# --- a prefix cache, missing weights, ids past the bytes, the absolute table ---------------------
+
+@pytest.mark.parametrize("position", ["rope", "softmax"])
+def test_generate_continues_a_cache_of_the_prompts_prefix(position):
+    """transformers' prefix-cache pattern: ``generate(input_ids=prompt, past_key_values=cache)``
+    with a cache of the prompt's first 9 columns reads columns 9..18 from it, then decodes: the
+    logits of every step equal generate() without a cache (float64), in a left-padded batch."""
+    hf = LinearRopeForCausalLM.from_performer(tiny(position).double())
+    ids = torch.randint(1, 256, (2, 19), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # row 1 is left-padded
+    kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+    cache = getattr(hf(input_ids=ids[:, :9], attention_mask=mask[:, :9], use_cache=True), _CACHE_FIELD)
+    got = hf.generate(input_ids=ids, attention_mask=mask, **{_CACHE_FIELD: cache}, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert cache.seen == 19 + NEW - 1 and cache.positions.tolist() == [19 + NEW - 1, 15 + NEW - 1]
+    whole = getattr(hf(input_ids=ids, attention_mask=mask, use_cache=True), _CACHE_FIELD)
+    with pytest.raises(ValueError, match="has read 19 tokens and the input holds 19"):
+        hf.generate(input_ids=ids, attention_mask=mask, **{_CACHE_FIELD: whole}, max_new_tokens=2, do_sample=False)
+
+
+def drop_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "model.safetensors")
+    del sd["model.blocks.1.ff.2.weight"]
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(**changes):
+    def edit(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return edit
+
+
+@pytest.mark.parametrize("damage, text", [
+    (drop_tensor, "1 missing (model.blocks.1.ff.2.weight)"),
+    (edit_config(depth=3), "missing (model.blocks.2."),
+    (edit_config(position="absolute"), "1 missing (model.pos_emb.weight)"),
+    (edit_config(depth=1), "unexpected (model.blocks.1."),
+], ids=["tensor-removed", "depth-3", "absolute", "depth-1"])
+def test_weights_the_folder_lacks_are_refused_not_left_uninitialised(tmp_path, damage, text):
+    """A weight ``from_pretrained`` cannot find was left as allocated (NaN, 6e19 or 0): the
+    folder is refused in one line instead, through the Auto class too."""
+    LinearRopeForCausalLM.from_performer(tiny("rope")).save_pretrained(tmp_path)
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is LinearRopeForCausalLM  # intact: loads
+    damage(tmp_path)
+    for load in (AutoModelForCausalLM.from_pretrained, LinearRopeForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match="its weights do not match its config.json") as e:
+            load(tmp_path)
+        assert text in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ids_stay_bytes():
+    """A vocabulary past 256 is refused (generate returns bytes), and the tokenizer refuses to
+    decode an id that is not a byte instead of dropping it."""
+    from linear_rope.model import ModelConfig
+
+    for make in (lambda: ModelConfig(vocab_size=300), lambda: LinearRopeConfig.from_preset("tiny", vocab_size=257)):
+        with pytest.raises(ValueError, match="vocab_size must be <= 256"):
+            make()
+    tok = ByteTokenizer()
+    assert tok.decode([72, 105]) == "Hi"
+    with pytest.raises(ValueError, match="token id 300 is not a byte"):
+        tok.decode([72, 300, 105])
+
+
+def test_the_absolute_table_is_refused_up_front(monkeypatch):
+    """Prompt 19 + 14 new tokens reads positions 0..31 of a 32-row table: it decodes. One more
+    token is refused before anything is read (as ``PerformerLM.generate`` refuses it), however
+    the length is given; a cache fed past the table by hand is refused from the lengths."""
+    hf = LinearRopeForCausalLM.from_performer(tiny("absolute"))
+    ids = torch.randint(1, 256, (1, 19), generator=torch.Generator().manual_seed(5))
+    want = hf.model.generate(bytes(ids[0].tolist()), 14, top_k=1)
+    assert bytes(hf.generate(input_ids=ids, max_new_tokens=14, do_sample=False)[0, 19:].tolist()) == want
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hf.model.generate(bytes(ids[0].tolist()), 15, top_k=1)
+    calls = []
+    monkeypatch.setattr(hf.model, "forward", lambda *a, **k: calls.append(1))
+    for kw in (dict(max_new_tokens=15), dict(max_length=34)):
+        with pytest.raises(ValueError, match="the absolute variant cannot go past seq_len=32"):
+            hf.generate(input_ids=ids, do_sample=False, **kw)
+    assert calls == []
+    monkeypatch.undo()
+    cache = getattr(hf(input_ids=ids, use_cache=True), _CACHE_FIELD)
+    hf(input_ids=ids[:, :13], past_key_values=cache)  # positions 19..31
+    with pytest.raises(ValueError, match="32 tokens read and 1 more go past the absolute table of seq_len=32"):
+        hf(input_ids=ids[:, :1], past_key_values=cache)
+
+
+def test_trust_remote_code_loads_an_export_in_a_fresh_process_and_pipeline_is_greedy(corpus, tmp_path, capsys):
+    """An exported run, in a new process that never imports ``linear_rope.hf`` itself: without
+    ``trust_remote_code`` transformers asks for it (the folder names its code in ``auto_map``);
+    with it the Auto classes load the folder, and ``pipeline("text-generation")`` with no
+    decoding options decodes greedily (the folder's generation config says so), equal to
+    ``PerformerLM.generate(top_k=1)``."""
+    from linear_rope.enwik8 import sample
+
+    lm = tiny("rope")
+    torch.save({"model": lm.state_dict(), "step": 3, "config": {"model": lm.cfg.__dict__, "train": {}}},
+               tmp_path / "ckpt-00000003.pt")
+    code, err = run_export([tmp_path / "ckpt-00000003.pt", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["do_sample"] is False
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline\n"
+        "try:\n"
+        "    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "    refused = ''\n"
+        "except ValueError as e:\n"
+        "    refused = str(e)\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "text = pipeline('text-generation', model=model, tokenizer=tok)('The ', max_new_tokens=8)\n"
+        "print('\\n' + json.dumps([type(model).__name__, type(tok).__name__, text[0]['generated_text'], refused]))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "HF_HOME": str(tmp_path / "hf_home"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "hf")], env=env, capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300, stdin=subprocess.DEVNULL)  # [y/N]: no
+    assert res.returncode == 0, res.stderr[-3000:]
+    model, tok, text, refused = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (model, tok) == ("LinearRopeForCausalLM", "ByteTokenizer")
+    assert "trust_remote_code=True" in refused
+    want = b"The " + sample.load_model(tmp_path / "ckpt-00000003.pt").generate(b"The ", 8, top_k=1)
+    assert text == want.decode("utf-8", errors="replace")

@@ -25,7 +25,7 @@ from .checkpoint import (CheckpointError, load_checkpoint, nonfinite, previous_c
 from .cli import OneLineParser, check_device
 from .rundir import os_error_line
 
-__all__ = ["load_model", "main"]
+__all__ = ["load_model", "load_verified", "main"]
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
@@ -47,14 +47,30 @@ def _check_shapes(cfg: ModelConfig, sd: dict, path) -> None:
         raise CheckpointError(f"{path}: its config does not describe its weights ({'; '.join(bad[:3])})")
 
 
-def load_model(path, device: str = "cpu") -> PerformerLM:
-    """Rebuild ``PerformerLM(ModelConfig(**cfg["model"]))`` from a checkpoint file or run dir.
+def load_verified(path, tries: int = 3) -> tuple[PerformerLM, dict, Path]:
+    """The checks every reader of a checkpoint runs (``sample``, ``export``): ``(model, ckpt,
+    path)``, the model on the CPU in eval mode, rebuilt as ``PerformerLM(ModelConfig(**cfg["model"]))``
+    from a checkpoint file or a run directory (its newest checkpoint), with ``path`` the file read.
 
     Raises :class:`CheckpointError` (one line) for a missing, corrupt, unsafe or foreign file, a
-    config that does not match the weights, weights that fail their stored digest, or non-finite
-    weights; the message names the previous checkpoint of the run where there is one.
+    config that does not match the weights (checked on the shapes before the model is built),
+    weights that fail their stored digest, or non-finite weights; the message names the previous
+    checkpoint of the run where there is one. A run that is still training deletes old
+    checkpoints as it writes new ones: when the newest checkpoint of a run directory is gone by
+    the time it is read, the new newest one is read instead (``tries`` times in all).
     """
-    path = resolve_checkpoint(path)
+    for attempt in range(tries):
+        file = resolve_checkpoint(path)
+        try:
+            return _load_verified(file)
+        except CheckpointError:
+            if Path(path).is_dir() and not file.exists() and attempt + 1 < tries:
+                continue  # retention deleted it under us: a newer one is in place
+            raise
+    raise AssertionError("unreachable")
+
+
+def _load_verified(path: Path) -> tuple[PerformerLM, dict, Path]:
     try:
         ckpt = load_checkpoint(path)
         sd = ckpt["model"]
@@ -69,11 +85,17 @@ def load_model(path, device: str = "cpu") -> PerformerLM:
                                   f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
         bad = nonfinite({"model": sd})
         if bad:
-            raise CheckpointError(f"{path} holds {bad}: nothing can be sampled from it")
+            raise CheckpointError(f"{path} holds {bad}: nothing can be sampled or exported from it")
     except CheckpointError as e:
         older = previous_checkpoint(path)
         raise CheckpointError(f"{e}; the previous checkpoint is {older}" if older else str(e)) from None
-    return model.to(device).eval()
+    return model.eval(), ckpt, path
+
+
+def load_model(path, device: str = "cpu") -> PerformerLM:
+    """Rebuild ``PerformerLM(ModelConfig(**cfg["model"]))`` from a checkpoint file or run dir,
+    verified by :func:`load_verified` (CheckpointError, one line, for anything it refuses)."""
+    return load_verified(path)[0].to(device).eval()
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -7,7 +7,10 @@ transformers causal LM, registered with ``AutoConfig``, ``AutoModelForCausalLM``
     model = AutoModelForCausalLM.from_pretrained("exported/")   # python -m linear_rope.export RUN OUT
     tok = AutoTokenizer.from_pretrained("exported/")
     ids = tok(["The ", "Rotary "], return_tensors="pt", padding=True)  # left padding
-    out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+    out = model.generate(**ids, max_new_tokens=20)  # greedy: the generation config's do_sample is False
+
+An exported folder also loads with ``from_pretrained(OUT_DIR, trust_remote_code=True)`` and no
+import: its ``auto_map`` names ``modeling_linear_rope.py``, which imports the installed package.
 
 * ``configuration.py`` ``LinearRopeConfig``: ``ModelConfig``'s fields;
 * ``modeling.py``      ``LinearRopeForCausalLM`` and its ``RecurrentCache`` (the O(1) state);

@@ -2,14 +2,19 @@
 
     python -m linear_rope.export runs/ablation/rope-seed0 exported/rope-seed0
 
-RUN_DIR is a run directory (its newest ``ckpt-<step>.pt``) or one checkpoint file, read as
-``python -m linear_rope.sample`` reads it: ``torch.load(weights_only=True)`` only, through the
-app's checkpoint checks. OUT_DIR must not exist or be empty: nothing is ever written over. The
-folder is written beside OUT_DIR under a temporary name and renamed into place, so a failed export
-leaves no partial folder. It holds ``config.json`` (``LinearRopeConfig``, with the run's step and
-val / test BPC under ``linear_rope_run``), ``model.safetensors``, ``generation_config.json`` and the
-``ByteTokenizer``'s ``tokenizer_config.json``; ``import linear_rope.hf`` then
-``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. Bad input: one line, exit 2.
+RUN_DIR is a run directory (its newest ``ckpt-<step>.pt``) or one checkpoint file, read and
+verified as ``python -m linear_rope.sample`` reads it (``sample.load_verified``:
+``torch.load(weights_only=True)`` only, the stored digests, a config that describes the weights,
+finite weights). A run that is still training may delete its newest checkpoint while it is read:
+the new newest one is read then. OUT_DIR must not exist or be empty: nothing is ever written
+over. A new OUT_DIR is written beside it under a temporary name and renamed into place (with the
+permissions the umask gives a new folder); an empty one (``.`` included) gets the files moved in;
+a failed export leaves nothing behind. It holds ``config.json`` (``LinearRopeConfig``, with the
+run's step and val / test BPC under ``linear_rope_run``, and ``auto_map``), ``model.safetensors``,
+``generation_config.json`` (greedy decoding unless asked otherwise), the ``ByteTokenizer``'s
+``tokenizer_config.json`` and ``modeling_linear_rope.py``, which imports the installed
+``linear_rope``, so ``AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)``
+loads it without ``import linear_rope.hf``. Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
@@ -19,30 +24,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..enwik8.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from ..enwik8.checkpoint import CheckpointError
 from ..enwik8.cli import OneLineParser
-from ..model import ModelConfig, PerformerLM
+from ..enwik8.sample import load_verified
+from ..model import PerformerLM
 from .modeling import LinearRopeForCausalLM
 from .tokenization import ByteTokenizer
 
 __all__ = ["export_run", "main"]
 
-
 def load_run(path) -> tuple[PerformerLM, dict]:
-    """The run's model (eval mode) and ``{"checkpoint", "step", "val_bpc", "test_bpc"}``.
-    Raises :class:`CheckpointError` (one line) for a missing, corrupt, unsafe or foreign file."""
-    path = resolve_checkpoint(path)
-    ckpt = load_checkpoint(path)
-    try:
-        model = PerformerLM(ModelConfig(**ckpt["config"]["model"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{path} does not match linear_rope's model "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+    """The run's model (eval mode) and ``{"checkpoint", "step", "val_bpc", "test_bpc"}``, verified
+    as ``sample`` verifies it. Raises :class:`CheckpointError` (one line)."""
+    model, ckpt, path = load_verified(path)
     metrics = ckpt.get("metrics") if isinstance(ckpt.get("metrics"), dict) else {}
     run = {"checkpoint": f"{path.parent.name}/{path.name}", "step": ckpt["step"],
            "val_bpc": metrics.get("val_bpc"), "test_bpc": metrics.get("test_bpc")}
-    return model.eval(), run
+    return model, run
 
 
 def check_out_dir(out) -> Path:
@@ -54,21 +52,52 @@ def check_out_dir(out) -> Path:
     return out
 
 
+def write_folder(hf: LinearRopeForCausalLM, folder: Path) -> None:
+    """``save_pretrained`` of the model and the tokenizer, every file as the umask gives it."""
+    hf.save_pretrained(folder)  # both write the remote code and its auto_map
+    ByteTokenizer().save_pretrained(folder)
+    for f in folder.iterdir():  # some writers go through mkstemp (0600): what the umask gives instead
+        f.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def export_run(run_dir, out_dir) -> tuple[Path, dict]:
     """Write the Hugging Face folder of ``run_dir``'s checkpoint to ``out_dir``; return it and
     the run's metadata. Raises CheckpointError or FileExistsError (one line each)."""
     out = check_out_dir(out_dir)
     model, run = load_run(run_dir)
     hf = LinearRopeForCausalLM.from_performer(model, linear_rope_run=run)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    into = out.is_dir()
+    if into:  # empty: the files move in, the folder (its owner, its mode) stays
+        tmp = Path(tempfile.mkdtemp(dir=out, prefix=".export.", suffix=".tmp"))
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: a new folder gets what the umask gives
+    moved = []
     try:
-        hf.save_pretrained(tmp)
-        ByteTokenizer().save_pretrained(tmp)
-        check_out_dir(out)  # still new or empty: nothing appeared there meanwhile
-        if out.is_dir():
-            out.rmdir()
-        os.replace(tmp, out)
+        write_folder(hf, tmp)
+        if into:
+            names = sorted(p.name for p in tmp.iterdir())
+            if any(p != tmp for p in out.iterdir()):
+                raise FileExistsError(f"OUT_DIR {out} is not empty; choose a new folder (nothing is written over)")
+            for name in names:
+                os.replace(tmp / name, out / name)
+                moved.append(out / name)
+        else:
+            check_out_dir(out)  # still new or empty: nothing appeared there meanwhile
+            if out.is_dir():
+                out.rmdir()
+            os.replace(tmp, out)
+    except BaseException:
+        for p in moved:  # ours: OUT_DIR was empty
+            p.unlink(missing_ok=True)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
     return out, run

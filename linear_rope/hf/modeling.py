@@ -4,8 +4,9 @@ The weights are ``PerformerLM``'s, under ``model.`` (FAVOR+ projections included
 buffers of the state dict), so a training run's checkpoint converts with no renaming
 (``linear_rope.hf.export``). ``generate()`` keeps a ``RecurrentCache``: one
 ``LinearAttentionState`` (S, z) per layer, O(1) in the context (the ``softmax`` anchor keeps its
-key/value cache there), and each row's next position. Left-padded rows under an
-``attention_mask`` get the positions they get alone, as in ``PerformerLM.generate``.
+key/value cache there), each row's next position, and how many columns of ``input_ids`` it has
+read. Left-padded rows under an ``attention_mask`` get the positions they get alone, as in
+``PerformerLM.generate``. A cache of a prompt's prefix continues from where it ends.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..model import PerformerLM
 from ..ops import LinearAttentionState
 from ..softmax_attention import KVCache
 from .configuration import LinearRopeConfig
+from .remote import AUTO_MAP, write_remote_code
 
 __all__ = ["LinearRopeForCausalLM", "RecurrentCache"]
 
@@ -28,15 +30,19 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 class RecurrentCache:
     """What decoding carries from one forward to the next, updated in place (as Hugging Face
-    caches are): ``states`` (one per layer, as ``PerformerLM.step`` takes them) and
-    ``positions`` `[B]`, the number of real tokens each row has seen (its next position)."""
+    caches are): ``states`` (one per layer, as ``PerformerLM.step`` takes them),
+    ``positions`` `[B]`, the number of real tokens each row has seen (its next position), and
+    ``seen``, the number of columns of ``input_ids`` read, padding included (an int: what
+    ``generate()`` feeds next is ``input_ids[:, seen:]``)."""
 
     is_compileable = False  # generate() must not try to compile a static cache around it
     is_croppable = False
     decoder = None  # (Decoder, the states list it serves): tokens with no padding step in place there
 
-    def __init__(self, states: list, positions: torch.Tensor):
+    def __init__(self, states: list, positions: torch.Tensor, seen: int | None = None):
         self.states, self.positions = list(states), positions
+        # Without padding every row has read ``positions`` columns (read once, when it is made).
+        self.seen = int(positions.max()) if seen is None and positions.numel() else int(seen or 0)
 
     def __len__(self) -> int:
         return len(self.states)
@@ -47,7 +53,7 @@ class RecurrentCache:
         return [True] * len(self.states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.positions.max()) if self.positions.numel() else 0
+        return self.seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues from row ``beam_idx[i]``."""
@@ -84,6 +90,8 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = PerformerLM(config.to_model_config())
         self.post_init()
+        if self.generation_config is not None:  # stated, so that pipeline() does not sample by its own default
+            self.generation_config.do_sample = False
 
     def _init_weights(self, module):
         """Nothing: ``PerformerLM`` initialises its weights (GPT-2 style) and draws its FAVOR+
@@ -94,12 +102,31 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         return False  # forward() makes its own RecurrentCache
 
     @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, refusing a folder whose weights do not cover the
+        model its config describes (a tensor removed from ``model.safetensors``, a ``depth``,
+        ``position`` or width edited in ``config.json``): a weight left as allocated would decode
+        garbage, and ``PerformerLM``'s initialisation would be a random model under a trained name."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        check_loaded(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return (model, info) if want_info else model
+
+    @classmethod
     def from_performer(cls, lm: PerformerLM, **config_kwargs) -> "LinearRopeForCausalLM":
         """Wrap a ``PerformerLM`` (its config and its weights, shared)."""
         with torch.device("meta"):  # no throwaway weights, no draw from the global RNG
             hf = cls(LinearRopeConfig.from_model_config(lm.cfg, **config_kwargs))
         hf.model = lm
         return hf.train(lm.training)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, plus ``modeling_linear_rope.py`` and the config's
+        ``auto_map``: the folder loads with ``trust_remote_code=True`` and no ``import linear_rope.hf``."""
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        write_remote_code(save_directory)
+        return out
 
     def get_input_embeddings(self):
         return self.model.tok_emb
@@ -169,16 +196,22 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
             return self.model(ids, mask=mask), None
         logits, states = self.model(ids, mask=mask, output_final_state=True)
         pos = mask.sum(1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
-        return logits, RecurrentCache(states, pos)
+        return logits, RecurrentCache(states, pos, seen=ids.shape[1])
 
     def _read_tokens(self, ids, mask, cache: RecurrentCache) -> torch.Tensor:
         """Token by token from the cache: one ``PerformerLM.step`` per token and layer."""
         if len(cache) != len(self.model.blocks) or cache.positions.shape != ids.shape[:1]:
             raise ValueError(f"past_key_values: a cache of {len(cache)} layers and {cache.positions.shape[0]} rows "
                              f"does not fit this model ({len(self.model.blocks)} layers) and batch ({ids.shape[0]})")
+        if self.model.pos_emb is not None and cache.seen + ids.shape[1] > self.config.seq_len:
+            # from the lengths (no tensor read per step): a row's position never passes the columns read
+            raise ValueError(f"input_ids: {cache.seen} tokens read and {ids.shape[1]} more go past the absolute "
+                             f"table of seq_len={self.config.seq_len}")
         dec = None if mask is not None else self._decoder(cache, ids.shape[1])
         if dec is not None:  # no padding: the cache's Decoder steps in place, reading no value
-            return torch.stack([dec.step(ids[:, t]) for t in range(ids.shape[1])], dim=1)
+            out = torch.stack([dec.step(ids[:, t]) for t in range(ids.shape[1])], dim=1)
+            cache.seen += ids.shape[1]
+            return out
         out = []
         for t in range(ids.shape[1]):
             pos = cache.positions
@@ -191,6 +224,7 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
             else:
                 pos = pos + 1
             cache.states, cache.positions = states, pos
+            cache.seen += 1
             out.append(logits)
         return torch.stack(out, dim=1)
 
@@ -220,9 +254,43 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
             return F.cross_entropy(pred, target, ignore_index=-100)
         return F.cross_entropy(pred, target, ignore_index=-100, reduction="sum") / num_items_in_batch
 
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; the ``absolute`` variant refuses up front, from the
+        lengths, a prompt plus ``max_new_tokens`` past its table (as ``PerformerLM.generate``)."""
+        if self.model.pos_emb is not None:
+            ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+            cfg = (args[1] if len(args) > 1 else kwargs.get("generation_config")) or self.generation_config
+            new = kwargs.get("max_new_tokens", cfg.max_new_tokens if "max_length" not in kwargs else None)
+            total = (ids.shape[-1] + new) if new is not None and ids is not None else \
+                kwargs.get("max_length", cfg.max_length)
+            if total is not None and total > self.config.seq_len + 1:
+                raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.config.seq_len} "
+                                 f"(the prompt and the new tokens come to {total} tokens, at most "
+                                 f"{self.config.seq_len + 1} fit)")
+        return super().generate(*args, **kwargs)
+
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, use_cache=True, **kwargs):
-        """After the prompt, only the newest token goes in: the cache holds the rest."""
+        """With a cache, only the columns it has not read go in: after the prompt the newest
+        token, and after a cache of a prompt's prefix the rest of the prompt."""
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
-            input_ids = input_ids[:, -1:]
+            if not isinstance(cache, RecurrentCache):
+                raise ValueError(f"past_key_values must be a RecurrentCache (from this model), "
+                                 f"got {type(cache).__name__}")
+            if cache.seen >= input_ids.shape[1]:
+                raise ValueError(f"past_key_values has read {cache.seen} tokens and the input holds "
+                                 f"{input_ids.shape[1]}: pass a cache of a shorter prefix (the next token's "
+                                 f"logits come from reading the prompt's last token)")
+            input_ids = input_ids[:, cache.seen:]
         return {"input_ids": input_ids, "attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
+
+
+def check_loaded(info: dict, where) -> None:
+    """ValueError (one line) unless ``from_pretrained`` found every weight, of its shape, and
+    nothing else."""
+    parts = [(k, sorted(info.get(k) or ())) for k in ("missing_keys", "mismatched_keys", "unexpected_keys")]
+    bad = [f"{len(v)} {k.split('_')[0]} ({', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''})"
+           for k, v in parts if v]
+    if bad:
+        raise ValueError(f"{where}: its weights do not match its config.json ({'; '.join(bad)}); "
+                         f"re-export the run, or restore the folder's config.json and model.safetensors")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizer
 
+from .remote import add_tokenizer_auto_map, write_remote_code
+
 __all__ = ["ByteTokenizer"]
 
 
@@ -32,6 +34,8 @@ class ByteTokenizer(PreTrainedTokenizer):
         return ord(token) if len(token) == 1 and ord(token) < 256 else self.pad_token_id
 
     def _convert_id_to_token(self, index: int) -> str:
+        if not 0 <= index < 256:  # never dropped in silence: an id past the bytes is not text
+            raise ValueError(f"token id {index} is not a byte (0..255): ByteTokenizer cannot decode it")
         return chr(index)
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
@@ -43,6 +47,16 @@ class ByteTokenizer(PreTrainedTokenizer):
     def get_special_tokens_mask(self, token_ids_0: list[int], token_ids_1: list[int] | None = None,
                                 already_has_special_tokens: bool = False) -> list[int]:
         return [0] * (len(token_ids_0) + len(token_ids_1 or []))
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedTokenizer.save_pretrained``, plus ``modeling_linear_rope.py`` and the
+        ``auto_map`` that lets ``AutoTokenizer`` load it with ``trust_remote_code=True``."""
+        files = super().save_pretrained(save_directory, *args, **kwargs)
+        for f in files:
+            if str(f).endswith("tokenizer_config.json"):
+                add_tokenizer_auto_map(f)
+        write_remote_code(save_directory)
+        return files
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
         return ()  # no vocabulary file: the vocabulary is the bytes
