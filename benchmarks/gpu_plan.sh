@@ -13,8 +13,9 @@
 #                                          # 5. the Triton kernels' triage (one process per
 #                                          #    config: a fault poisons the process)            50 s
 #
-# WINDOW_S (default 555) caps the whole: each part gets its budget or what is left, whichever
-# is less, and `timeout` stops a part 30 s past it. With more time, the three full commands,
+# WINDOW_S (default 550) caps the whole: each part gets its budget or what the window has left
+# less 20 s, whichever is less, and `timeout` stops a part 25 s past its budget (the part's own
+# deadline fires at 20 s), so the last part ends by 555 s after the wheels' install. With more time, the three full commands,
 # each under 9 minutes:
 #
 #   bash benchmarks/gpu_plan.sh check      # correctness, then op speed (bf16, N = 1k..16k)  (450 s)
@@ -52,16 +53,16 @@ quick=()
 case "$step" in
   window)  # back: window.log, and per part its JSON and Markdown (compare, generation, op_speed, correctness), triage.json
     start=$SECONDS
-    window_s=${WINDOW_S:-555}
-    budget() {  # the part's budget, or what the window has left (less 10 s), whichever is less
-      local left=$((window_s - (SECONDS - start) - 10))
+    window_s=${WINDOW_S:-550}
+    budget() {  # the part's budget, or what the window has left (less 20 s), whichever is less
+      local left=$((window_s - (SECONDS - start) - 20))
       (( left < $1 )) && echo $(( left > 0 ? left : 0 )) || echo "$1"
     }
-    part() {  # part NAME DEFAULT_BUDGET: one process of benchmarks.gpu, stopped 30 s past its budget
+    part() {  # part NAME DEFAULT_BUDGET: one process of benchmarks.gpu, stopped 25 s past its budget
       local b; b=$(budget "$2")
       if (( b < 5 )); then echo "gpu_plan: $1 skipped: the window's ${window_s} s are spent"; return; fi
       echo "gpu_plan: $1, budget ${b} s, $((SECONDS - start)) s into the window"
-      timeout $((b + 30)) "$py" -m benchmarks.gpu --parts "$1" --budget-s "$b" "${quick[@]}" ${DATA:+--data "$DATA"} \
+      timeout $((b + 25)) "$py" -m benchmarks.gpu --parts "$1" --budget-s "$b" "${quick[@]}" ${DATA:+--data "$DATA"} \
         --out "$out/$1.json"
     }
     { part compare "${COMPARE_S:-200}"

@@ -37,7 +37,9 @@ def _correctness(p: dict) -> list[str]:
         elif "losses" in c:
             rows.append([c["check"], c["dtype"], "losses " + ", ".join(f"{x:.3f}" for x in c["losses"]),
                          "grad norms " + ", ".join(f"{x:.3g}" for x in c["grad_norms"])
-                         + f" ({c.get('steps_applied')}/{len(c['losses'])} steps applied)", "-", "finite", verdict])
+                         + f" ({c.get('steps_applied')}/{len(c['losses'])} steps applied)"
+                         + (f"; first non-finite output: {c['first_nonfinite_module']}" if c.get("first_nonfinite_module") else ""),
+                         "-", "finite", verdict])
         else:
             base = c.get("naive_fp32_max_rel_to_max")
             tol = f"{c['rtol']:.3g} / {c['atol']:.3g}" + (f" / {c['grad_atol']:.3g}" if "grad_atol" in c else "")
