@@ -7,6 +7,10 @@
 One process on one device, parts in this order, each with a wall-time budget (a share of
 ``--budget-s``; a part that spends it stops, records what it skipped, and the next begins):
 
+0. **compare** (``gpu_train.run_compare``, only when named in ``--parts``): the ``paper``
+   preset's training tokens/s and MFU for softmax (flash SDPA), ``rope`` and ``none`` at N =
+   1024, then ``rope_pre`` and N = 4096 as the budget allows, on the default attention path,
+   each model compiled as the trainer compiles it; every row names its path and compile time;
 1. **correctness** (``gpu_checks``): fast paths against the float64 naive reference in float64,
    float32, bf16 and fp16 for every keyword, strict causality, step = forward, finite bf16 /
    fp16 training steps;
@@ -62,12 +66,13 @@ from .gpu_report import render  # noqa: E402
 # Part name -> (title, runner, share of the budget). Run in this order; the JSON and the
 # Markdown list them by number.
 PARTS = {
+    "compare": ("0. Training: softmax against linear attention", gpu_train.run_compare, 0.3),
     "correctness": ("1. Correctness on the device", lambda ctx, res: res.update(gpu_checks.run(ctx)), 0.15),
     "op_speed": ("2. Op speed", gpu_speed.run, 0.35),
     "generation": ("4. Generation", gpu_train.run_generation, 0.06),
     "training": ("3. Training", gpu_train.run_training, 0.44),
 }
-ORDER = ("correctness", "op_speed", "training", "generation")
+ORDER = ("compare", "correctness", "op_speed", "training", "generation")
 GRACE_S = 20.0  # past a part's budget before its deadline fires (a call in flight may finish)
 
 
@@ -80,7 +85,7 @@ def parse(argv):
                    help="the JSON file; the Markdown section goes beside it with the suffix .md")
     p.add_argument("--data", default=None, help="byte corpus for the training part (.bz2/.gz/.xz/raw); "
                    "default: the shared enwiki sample if found, else random bytes (noted)")
-    p.add_argument("--parts", default=",".join(ORDER), help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--parts", default=",".join(ORDER[1:]), help=f"comma-separated subset of {','.join(ORDER)} (default: all but compare)")
     p.add_argument("--check", action="store_true", help="part 1 (correctness) only")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-time budget of all parts, seconds (default 480; 50 with --quick)")

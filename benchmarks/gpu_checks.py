@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -298,33 +300,52 @@ def _step_lm(ctx: Ctx, s: dict, dtype) -> dict:
             "max_rel_to_max": e["max_rel_to_max"], "passed": bool(e["worst_over_tol"] <= 1.0)}
 
 
-def _train_finite(ctx: Ctx, preset: str, dtype, *, batch: int, seq: int, steps: int) -> dict:
+def _first_nonfinite(model: torch.nn.Module):
+    """Forward hooks noting the first module (in call order) whose output holds inf or NaN:
+    where an overflow starts. Returns (the list it fills, the hooks to remove)."""
+    first: list[str] = []
+
+    def hook(name):
+        def note(mod, inp, out):
+            t = out[0] if isinstance(out, tuple) else out
+            if not first and isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                first.append(f"{name} ({str(t.dtype)[6:]} output)")
+        return note
+    return first, [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+
+
+def _train_finite(ctx: Ctx, preset: str, dtype, *, batch: int, seq: int, steps: int, backend: str | None = None) -> dict:
     torch.manual_seed(0)
     model = PerformerLM.from_preset(preset).to(ctx.device)
+    first, hooks = _first_nonfinite(model)
+    on_path = (lambda: use_backend(backend)) if backend else contextlib.nullcontext  # None: LINEAR_ROPE_BACKEND or auto
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
     g = torch.Generator().manual_seed(7)
     losses, norms = [], []
     for _ in range(steps):
         ids = torch.randint(0, 256, (batch, seq + 1), generator=g).to(ctx.device)
-        with torch.autocast(ctx.device.type, dtype=dtype):
+        with torch.autocast(ctx.device.type, dtype=dtype), on_path():
             logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, 256), ids[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        with on_path():
+            scaler.scale(loss).backward()
         scaler.unscale_(opt)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         scaler.step(opt)
         scaler.update()
         losses.append(loss.item())
+    for h in hooks:
+        h.remove()
     finite = lambda x: x == x and abs(x) != float("inf")  # noqa: E731
     applied = sum(map(finite, norms))  # fp16: GradScaler skips a step whose gradients overflowed
     params_ok = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     ok = all(map(finite, losses)) and params_ok and (applied == steps if dtype != torch.float16 else applied >= 1)
     return {"check": f"training steps finite: {preset} preset, {batch}x{seq}, {str(dtype)[6:]} autocast"
-                     + (" + GradScaler" if dtype == torch.float16 else ""),
+                     + (" + GradScaler" if dtype == torch.float16 else "") + (f", {backend} path" if backend else ""),
             "dtype": str(dtype)[6:], "losses": losses, "grad_norms": norms, "steps_applied": applied,
-            "passed": ok}
+            "first_nonfinite_module": first[0] if first else None, "passed": ok}
 
 
 def run(ctx: Ctx) -> dict:
@@ -358,8 +379,10 @@ def run(ctx: Ctx) -> dict:
         attempt("step LM", dtype, _step_lm, ctx, s, dtype)
     for dtype in (torch.bfloat16, torch.float16):
         attempt("train tiny", dtype, _train_finite, ctx, "tiny", dtype, batch=4, seq=64, steps=3)
-    if ctx.cuda:
-        attempt("train paper fp16", torch.float16, _train_finite, ctx, "paper", torch.float16, batch=2, seq=1024, steps=4)
+    if ctx.cuda:  # the device check that once turned NaN at its third step, on each path
+        for backend in ("torch", "triton"):
+            attempt(f"train paper fp16, {backend} path", torch.float16, _train_finite, ctx, "paper", torch.float16,
+                    batch=2, seq=1024, steps=4, backend=backend)
     else:
         checks.append({"check": "training steps finite: paper preset fp16", "dtype": "float16", "passed": None,
                        "error": "skipped: needs CUDA (the paper preset is too slow for the CPU quick mode)"})

@@ -37,7 +37,9 @@ def _correctness(p: dict) -> list[str]:
         elif "losses" in c:
             rows.append([c["check"], c["dtype"], "losses " + ", ".join(f"{x:.3f}" for x in c["losses"]),
                          "grad norms " + ", ".join(f"{x:.3g}" for x in c["grad_norms"])
-                         + f" ({c.get('steps_applied')}/{len(c['losses'])} steps applied)", "-", "finite", verdict])
+                         + f" ({c.get('steps_applied')}/{len(c['losses'])} steps applied)"
+                         + (f"; first non-finite output: {c['first_nonfinite_module']}" if c.get("first_nonfinite_module") else ""),
+                         "-", "finite", verdict])
         else:
             base = c.get("naive_fp32_max_rel_to_max")
             tol = f"{c['rtol']:.3g} / {c['atol']:.3g}" + (f" / {c['grad_atol']:.3g}" if "grad_atol" in c else "")
@@ -152,6 +154,26 @@ def _training(p: dict) -> list[str]:
     return out + [""]
 
 
+def _compare(p: dict) -> list[str]:
+    out = [f"Preset `{p.get('preset')}`, {p.get('tokens_per_step')} tokens per step (batch x N), "
+           f"{p.get('autocast')} autocast, {p.get('optimizer')}; attention backend: {p.get('backend')}. "
+           f"Data: {p.get('data')}.", ""]
+    rows = []
+    for r in p.get("rows", []):
+        if r.get("status") == "ok":
+            rows.append([r["position"], r["N"], r["batch"], r["tokens_per_s"], _pct(r["mfu"]) or _cell(r["mfu"]),
+                         r["ms_per_step"], r["compile_s"], _cell(r["peak_memory_mib"]), r["path"], r["compile"]])
+        else:
+            rows.append([r["position"], r["N"], "-", r.get("status"), "-", "-", "-", "-", "-", "-"])
+    if rows:
+        out += [format_table(["attention", "N", "batch", "tokens/s", "MFU (bf16 peak)", "ms/step", "compile s",
+                              "peak MiB", "path", "compiled"], rows), ""]
+    if p.get("vs_softmax"):
+        out += ["Tokens/s over softmax's at the same N: " + ", ".join(f"{k}: {v:.2f}x" for k, v in p["vs_softmax"].items())
+                + ".", ""]
+    return out
+
+
 def _generation(p: dict) -> list[str]:
     rows = []
     for r in p.get("rows", []):
@@ -182,14 +204,15 @@ def render(result: dict) -> str:
             + f"; TF32 matmuls {'on' if result.get('tf32') else 'off'}",
             f"- Budget: {fmt(result['budget_s'])} s over all parts; JSON: `{result['name']}.json` beside this file", ""]
     parts = result["parts"]
-    render_part = {"correctness": _correctness, "op_speed": _speed, "training": _training, "generation": _generation}
-    for name in ("correctness", "op_speed", "training", "generation"):
+    render_part = {"compare": _compare, "correctness": _correctness, "op_speed": _speed, "training": _training,
+                   "generation": _generation}
+    for name in ("compare", "correctness", "op_speed", "training", "generation"):
         p = parts[name]
         out += _head(p["title"], p)
         if not p.get("status", "").startswith("not "):  # not run (--parts) / not reached
             out += render_part[name](p)
     out += ["### 5. CPU mode", "",
-            "`python -m benchmarks.gpu --device cpu --quick` runs parts 1-4 at toy sizes in under a minute (a CI "
+            "`python -m benchmarks.gpu --device cpu --quick` runs parts 0-4 at toy sizes in under a minute (a CI "
             "test does); what the CPU cannot run says \"" + NEEDS_CUDA + "\". "
             + ("This run was on the CPU." if dev.get("type") == "cpu" else "This run was on CUDA."), ""]
     return "\n".join(out)

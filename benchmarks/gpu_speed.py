@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import time
 
 import torch
@@ -49,6 +50,11 @@ MODES = ("fwd", "fwd+bwd")
 FULL = dict(configs=((8, 12), (1, 12)), ns=(1024, 2048, 4096, 8192, 16384), reps=10, cell_max_s=0.5,
             profile=(8, 12, 4096))
 QUICK = dict(configs=((1, 2), (2, 2)), ns=(64, 128), reps=2, cell_max_s=0.1, profile=(1, 2, 128))
+# fla autotunes each kernel over its whole config list on the first call at a shape (126 s of a
+# 205 s part on an H200): each of its autotuned kernels keeps its first FLA_MAX_CONFIGS configs
+# (env FLA_MAX_CONFIGS; 0: no cap). SPEED_IMPLS (env, comma-separated names of ``PATHS``) keeps
+# only those rows: the 10-minute run times ours, flash SDPA and fla.
+FLA_MAX_CONFIGS = 4
 PROFILE_MIN_S = 10.0  # budget left for the profile of ours
 GROWTH = {"sdpa": 4.0}  # time x per doubling of N, for the budget forecast; others 2.2
 
@@ -91,8 +97,33 @@ def _fla(ctx: Ctx, fused: bool):
     except Exception as e:  # ImportError, or a Triton / torch version mismatch at import
         return None, f"skipped: fla not installed ({one_line(e)}); carry fla-core, see benchmarks/gpu_wheels.sh"
     op = fused_chunk_linear_attn if fused else chunk_linear_attn
+    cap = cap_fla_autotune(int(os.environ.get("FLA_MAX_CONFIGS", FLA_MAX_CONFIGS)))
     return (lambda q, k, v: op(F.elu(q) + 1, F.elu(k) + 1, v, normalize=True)[0]), \
-        f"fla.ops.linear_attn.{op.__name__}, K={FLA_K}, elu+1 features, normalize=True, [B, N, H, K] layout"
+        f"fla.ops.linear_attn.{op.__name__}, K={FLA_K}, elu+1 features, normalize=True, [B, N, H, K] layout; {cap}"
+
+
+def cap_fla_autotune(max_configs: int) -> str:
+    """Keep the first ``max_configs`` configs of every autotuned kernel fla has imported; a note."""
+    import sys
+
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except Exception as e:  # noqa: BLE001
+        return f"not capped: {one_line(e)}"
+    if max_configs <= 0:
+        return "not capped (FLA_MAX_CONFIGS=0)"
+    capped = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            seen = 0
+            while obj is not None and seen < 4:  # triton.heuristics wraps the autotuner in .fn
+                if isinstance(obj, Autotuner) and len(obj.configs) > max_configs:
+                    obj.configs = obj.configs[:max_configs]
+                    capped += 1
+                obj, seen = getattr(obj, "fn", None), seen + 1
+    return f"autotuning capped at the first {max_configs} configs of each kernel ({capped} kernels)"
 
 
 def _performer(ctx: Ctx):
@@ -138,7 +169,7 @@ PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "ours_fla"
 
 def impls(ctx: Ctx) -> dict:
     """name -> (fn or None, description or skip reason), in the order each N measures them: the
-    comparison the GPU issue asks for first (the kernels, flash, fla), then the rest."""
+    comparison that matters first (the kernels, flash, fla), then the rest."""
     res = {}
     W = FavorFeatures(D, M).projection.to(ctx.device)
     res["ours_triton"] = _ours_triton(ctx, W)
@@ -158,6 +189,9 @@ def impls(ctx: Ctx) -> dict:
     # last: its first call at a new feature width autotunes fla's kernels again (the first GPU run
     # spent its part's remaining 90 s there, before any flash or fla cell)
     res["ours_fla"] = _ours_fla(ctx, W)
+    keep = [n.strip() for n in os.environ.get("SPEED_IMPLS", "").split(",") if n.strip()]
+    if keep:
+        res = {n: (res[n] if n in keep else (None, "skipped: not in SPEED_IMPLS")) for n in res}
     return res
 
 

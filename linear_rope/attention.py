@@ -92,6 +92,18 @@ class RotaryLinearAttention(HeadProjections):
             return q, k, self.features.projection
         return self.features(q, is_query=True), self.features(k, is_query=False), None
 
+    @staticmethod
+    def _wide(rotary: bool, v: torch.Tensor) -> bool:
+        """Under float16 autocast, RoPE's outputs go to the output projection in float32.
+
+        Eq. 19 divides the rotated numerator by the unrotated denominator, so its gain has no
+        bound: where a query's features meet keys that are small on its strongest features but
+        large on their rotation partners, outputs reach 1e6 (the ``paper`` preset under float16
+        autocast, its third training step), past float16's 65504. Cast to float16 they become
+        inf and the output projection NaN. Without RoPE the output is a convex combination of v
+        and stays in range; bfloat16 has float32's range."""
+        return rotary and v.dtype == torch.float16 and torch.is_autocast_enabled(v.device.type)
+
     def _ones_column(self, v: torch.Tensor) -> torch.Tensor:
         """rope_norm: a ones column on v, so the op also returns Eq. 19's row sum (rotated
         denominator / unrotated one) as the last output column. Its state has d + 1 columns."""
@@ -176,6 +188,9 @@ class RotaryLinearAttention(HeadProjections):
             key_mask = context_mask if context_mask is not None else torch.ones(
                 context.shape[:2], dtype=torch.bool, device=context.device)
         rotary = self.position in ("rope", "rope_norm")
+        wide = self._wide(rotary, v)
+        if wide:
+            q, k, v = q.float(), k.float(), v.float()
         pos = dict(offset=offset, base=self.base) if rotary else {}  # the op uses them only with RoPE
         if self.position == "none":  # no positions here, but a bad offset is an error as in the other variants
             check_offset(offset, rows=B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, N)))
@@ -184,7 +199,7 @@ class RotaryLinearAttention(HeadProjections):
             cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state, **pos,
         )
         out, state = res if output_final_state else (res, None)
-        out = self._project_out(self._renormalise(out), x)
+        out = self._project_out(self._renormalise(out), x, wide=wide)
         return (out, state) if output_final_state else out
 
     def step(self, x_t: torch.Tensor, state: LinearAttentionState | None, position: int | torch.Tensor):
@@ -204,8 +219,11 @@ class RotaryLinearAttention(HeadProjections):
             k = apply_rotary(k.unsqueeze(-2), offset=off, base=self.base, positions=pos).squeeze(-2)
         q, k, projection = self._op_inputs(q, k)
         rotary = self.position in ("rope", "rope_norm")
+        wide = self._wide(rotary, v)
+        if wide:
+            q, k, v = q.float(), k.float(), v.float()
         out, state = rotary_linear_attention_step(
             q, k, self._ones_column(v), state, position, rotary=rotary, projection=projection,
             **(dict(base=self.base) if rotary else {}),
         )
-        return self._project_out(self._renormalise(out).unsqueeze(2), x_t).squeeze(1), state
+        return self._project_out(self._renormalise(out).unsqueeze(2), x_t, wide=wide).squeeze(1), state

@@ -52,7 +52,17 @@ class HeadProjections(nn.Module):
             q, k = self.qk_norm(q), self.qk_norm(k)
         return q, k, v
 
-    def _project_out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`[B, H, N, d]` -> `[B, N, dim]` in x's dtype."""
+    def _project_out(self, out: torch.Tensor, x: torch.Tensor, *, wide: bool = False) -> torch.Tensor:
+        """`[B, H, N, d]` -> `[B, N, dim]` in x's dtype.
+
+        ``wide``: ``out`` may hold values beyond float16's range (under float16 autocast), so the
+        projection runs in float32 with autocast off instead of on ``out`` cast to float16
+        (which would turn them into inf, and the projection's output into NaN)."""
         B, H, N, d = out.shape
-        return self.dropout(self.to_out(out.transpose(1, 2).reshape(B, N, H * d).to(x.dtype)))
+        out = out.transpose(1, 2).reshape(B, N, H * d)
+        if wide:
+            with torch.autocast(out.device.type, enabled=False):
+                w, b = self.to_out.weight, self.to_out.bias
+                y = F.linear(out.float(), w.float(), None if b is None else b.float())
+            return self.dropout(y.to(torch.promote_types(x.dtype, torch.float32)))
+        return self.dropout(self.to_out(out.to(x.dtype)))

@@ -3,6 +3,7 @@ say so; failures reach the exit code. No timing asserts. Outputs go to a tempora
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from benchmarks import gpu  # noqa: E402
 from benchmarks.gpu_common import NEEDS_CUDA, bf16_peak_tflops  # noqa: E402
 from benchmarks.gpu_speed import crossover  # noqa: E402
 
-PARTS = ("correctness", "op_speed", "training", "generation")
+PARTS = ("compare", "correctness", "op_speed", "training", "generation")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -45,6 +46,9 @@ def test_cpu_quick_runs_every_part(cpu_quick):
     assert data["finished"] and data["exit_code"] == 0 and data["quick"]
     assert set(data["parts"]) == set(PARTS)
     for name, part in data["parts"].items():
+        if name == "compare":  # the training table runs when named (the 10-minute run names it first)
+            assert part["status"] == "not run (--parts)"
+            continue
         assert part["status"] == "ok", (name, part.get("error"))
         assert f"### {part['title']}" in md
     assert "### 5. CPU mode" in md
@@ -94,6 +98,36 @@ def test_cpu_quick_says_what_needs_cuda(cpu_quick):
     gen = data["parts"]["generation"]
     assert [r["status"] for r in gen["rows"]] == ["ok", "ok"]
     assert NEEDS_CUDA in md
+
+
+def test_cpu_quick_training_table_starts_with_softmax(tmp_path):
+    """The 10-minute run's first part: softmax first, then rope and none at the first N, each row
+    naming its attention path and its compile time; the rope and none rows compared with softmax."""
+    proc, data, md = _run(tmp_path, "--device", "cpu", "--quick", "--parts", "compare")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    part = data["parts"]["compare"]
+    rows = part["rows"]
+    n0 = rows[0]["N"]
+    assert [(r["position"], r["N"]) for r in rows[:4]] == [("softmax", n0), ("rope", n0), ("none", n0), ("rope_pre", n0)]
+    assert [r["position"] for r in rows[4:]] == ["softmax", "rope", "none"] and rows[4]["N"] == 4 * n0
+    for r in rows[:3]:
+        assert r["status"] == "ok", r
+        assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["path"] and r["compile"].startswith("eager")
+        assert r["batch"] * r["N"] == part["tokens_per_step"]
+    assert rows[0]["path"].startswith("F.scaled_dot_product_attention")
+    assert rows[1]["path"].startswith("torch path")  # on the CPU: the default path's own words
+    assert set(part["vs_softmax"]) >= {f"rope N={n0}", f"none N={n0}"}
+    assert "### 0. Training: softmax against linear attention" in md
+    assert re.search(r"^\| softmax +\| " + str(n0) + " ", md, re.M)
+
+
+def test_window_runs_the_training_table_first():
+    """benchmarks/gpu_plan.sh window: training table, decoding, op speed, correctness, triage."""
+    plan = (ROOT / "benchmarks/gpu_plan.sh").read_text()
+    body = plan[plan.index("  window)"):plan.index("  check)")]
+    order = [body.index(s) for s in ("part compare", "part generation", "part op_speed", "part correctness",
+                                     "benchmarks.gpu_triage")]
+    assert order == sorted(order)
 
 
 @pytest.fixture
