@@ -1,8 +1,8 @@
 """Count kernel launches and host syncs of a piece of code, and say where each sync comes from.
 
 * A ``TorchDispatchMode`` sees every ATen op: the non-view ones are launches; ``aten._local_scalar_dense``
-  (``.item()``, ``bool()``, ...), ``aten.nonzero`` and ``aten.masked_select`` (their output size
-  is data-dependent) are syncs.
+  (``.item()``, ``bool()``, ...), ``aten.nonzero``, ``aten.masked_select`` and indexing with a
+  boolean mask (their output size is data-dependent) are syncs.
 * A ``TorchFunctionMode`` sees the Python reads of a tensor's value (``.item()``, ``.tolist()``,
   ``bool()``, ``int()``, ``float()``, ``__index__``) and ``torch.tensor`` / ``torch.as_tensor`` of
   Python data (a copy from the host): syncs too. An ATen sync inside one of these is the same
@@ -29,6 +29,7 @@ PACKAGE = Path(linear_rope.__file__).resolve().parent
 PASS_ON = {PACKAGE / "checks.py"}  # helpers whose syncs belong to their caller
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
             "aten::item", "aten::is_nonzero"}  # the last two: as seen inside a custom op's body
+MASK_INDEX = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"}
 
 
@@ -41,6 +42,10 @@ def where() -> str | None:
             return f"{path.relative_to(PACKAGE.parent)}:{f.f_lineno}"
         f = f.f_back
     return None
+
+
+def _indices(args) -> list:
+    return list(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple)) else []
 
 
 class Counts:
@@ -73,6 +78,9 @@ class _Dispatch(TorchDispatchMode):
                 return opdef._init_fn(*args, **(kwargs or {}))
         if name in SYNC_OPS and not self.counts._in_read:
             self.counts.sync(name)
+        elif name in MASK_INDEX and not self.counts._in_read and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in _indices(args)):
+            self.counts.sync(f"{name} (a boolean mask: nonzero inside)")
         if not func.is_view:
             self.counts.launches += 1
         return func(*args, **(kwargs or {}))
