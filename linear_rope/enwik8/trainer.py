@@ -198,7 +198,9 @@ class Trainer:
         self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
         self.writer, self.progress = None, None
         self.compiled = False  # tc.compile, where a compiler was found (``_open``)
-        self._fused = all(g.get("fused") for g in self.state.optimizer.param_groups)
+        # --compile / --no-compile, else on CUDA (one graph per step) and off on the CPU, where a
+        # compiled step measured no faster than eager (linear_rope/enwik8/train.py)
+        self.wants_compile = tc.compile if tc.compile is not None else dd.device.type == "cuda"
         # What a step leaves on the device for the next _flush: a row [loss, grad norm, code]
         # per step (see _gate), the skips in a row, whether the run has stopped, stop requests.
         self._window = torch.zeros(max(tc.log_every, 1), 3, device=dd.device)
@@ -346,11 +348,13 @@ class Trainer:
             dist.all_reduce(stats)
             loss_v, bad, self._stop_seen = stats[0] / dd.world, stats[1] > 0, self._stop_seen + stats[2]
         code = self._gate(bad)
-        if self._fused:
+        if all(g.get("fused") for g in st.optimizer.param_groups):
             st.optimizer.found_inf = code.ne(0).float()  # the fused kernel leaves every tensor as it was
             st.optimizer.step()
-        elif not bool(code.ne(0)):  # the for-each AdamW has no found_inf: read the flag (a sync)
-            st.optimizer.step()
+        else:  # the for-each AdamW has no found_inf: read the flag (a sync)
+            st.optimizer.__dict__.pop("found_inf", None)
+            if not bool(code.ne(0)):
+                st.optimizer.step()
         self._pending.append(step + 1)
         self._window[len(self._pending) - 1] = torch.stack([loss_v, grad_norm.float(), code.float()])
         return loss_v, grad_norm, stop and dd.world == 1
@@ -437,8 +441,9 @@ class Trainer:
         or softmax attention. Under ``--compile`` the graph holds the torch path's custom op."""
         if self.mc.position == "softmax":
             return "softmax attention (torch scaled_dot_product_attention)"
-        if self.tc.compile and compile_unavailable(self.dd.device) is None:
-            return "torch path (torch.compile: the graph holds the custom op linear_rope::chunk_causal)"
+        if self.wants_compile and compile_unavailable(self.dd.device) is None:
+            mode = "" if self.tc.compile_mode == "default" else f", {self.tc.compile_mode}"
+            return f"torch path (torch.compile{mode}: the graph holds the custom op linear_rope::chunk_causal)"
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.dd.device)
         was = self.model.training
         with record_paths() as paths, torch.no_grad(), autocast(self.dd.device, self.tc.precision):
@@ -450,10 +455,10 @@ class Trainer:
         """compile, DDP, and on rank 0 config.json, the TensorBoard writer and the progress."""
         st, tc, dd = self.state, self.tc, self.dd
         self.attention = self.attention_path()
-        if tc.compile and not self.compiled:
+        if self.wants_compile and not self.compiled:
             why = compile_unavailable(dd.device)
-            if why is None:
-                self.model.compile()  # in place: state_dict keys stay clean
+            if why is None:  # in place: state_dict keys stay clean; one graph, or an error
+                self.model.compile(fullgraph=True, mode=None if tc.compile_mode == "default" else tc.compile_mode)
                 self.compiled = True
             elif dd.lead:
                 print(f"{self.name}: info: {why}; training eagerly (--no-compile says so up front)",
