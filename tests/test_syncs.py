@@ -48,7 +48,7 @@ def make_trainer(splits, tmp_path, **train) -> Trainer:
     return Trainer("rope-seed0", mc, tc, splits)
 
 
-@pytest.mark.parametrize("position", ["rope", "rope_pre", "absolute", "none"])
+@pytest.mark.parametrize("position", ["rope", "rope_pre", "rope_norm", "absolute", "none", "softmax"])
 def test_a_model_step_reads_nothing_back(position):
     """forward (bf16 autocast), loss, backward and clip: no sync, no torch.tensor of Python data."""
     torch.manual_seed(0)
