@@ -193,3 +193,17 @@ def test_the_model_compiles_whole_forward_and_backward():
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     torch._dynamo.reset()
+
+
+def test_steps_after_a_stop_stay_unapplied_if_the_caller_goes_on(splits, tmp_path, monkeypatch):
+    poison_training_forward(monkeypatch, {2}, where="loss")
+    t = make_trainer(splits, tmp_path)
+    t.train_step(0)
+    t.train_step(1)
+    with pytest.raises(NonFiniteError, match="at step 2"):
+        t._flush()
+    before = params(t.model)
+    t.train_step(2)  # a finite step, after the run stopped: still not applied, and said so
+    assert all(torch.equal(a, b) for a, b in zip(before, params(t.model)))
+    with pytest.raises(NonFiniteError, match="step 3 was not applied: the run stopped at an earlier non-finite step"):
+        t._flush()

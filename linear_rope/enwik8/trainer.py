@@ -393,6 +393,9 @@ class Trainer:
                 after = f", nor any after it up to step {steps[-1]}" if steps[-1] > done else ""
                 self._stop_nonfinite(done, what, f"non-finite {what} at step {done}{again}; the update "
                                      f"was not applied{after} and the run stopped")
+            elif code == 3:  # only after a caller went on past the NonFiniteError of that step
+                self._stop_nonfinite(done, "an earlier step", f"step {done} was not applied: the run stopped "
+                                     f"at an earlier non-finite step")
             else:
                 self._skip_run = 0
                 last = (loss, grad_norm)
