@@ -7,15 +7,33 @@ tensors (``.item()`` is refused there). ``require`` runs it where it can: eagerl
 values (every vmapped entry at once), or as ``torch._assert_async`` in a compiled graph (the
 same message, a RuntimeError when the graph runs: skipping it would let compiled code return
 what eager refuses).
+
+Checks that read a tensor's values cost a host sync (the CPU waits for the GPU), so the model's
+forward and a training step run none by default: values are checked where data enters (the
+command line, the loader, a module's construction, a FAVOR+ draw). ``LINEAR_ROPE_CHECKS=1`` in
+the environment (``debug_checks``) turns the eager value checks of the forward back on, each a
+one-line ValueError.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-__all__ = ["values", "in_transform", "is_transformed", "is_compiling", "is_static", "require", "check_flag",
+__all__ = ["debug_checks", "CHECKS_ENV", "values", "in_transform", "is_transformed", "is_compiling", "is_static", "require", "check_flag",
            "check_base"]
+
+
+CHECKS_ENV = "LINEAR_ROPE_CHECKS"
+
+
+def debug_checks() -> bool:
+    """``LINEAR_ROPE_CHECKS=1``: run the value checks that need a host sync (ids in range,
+    positions in range, ...) eagerly in the forward, each a one-line ValueError. Read at every
+    call, so a test or a debugging session can switch it on and off. Off by default, and never
+    inside a compiled graph (a graph cannot raise a ValueError)."""
+    return os.environ.get(CHECKS_ENV, "") not in ("", "0") and not is_compiling()
 
 
 def is_compiling() -> bool:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FavorFeatures", "FEATURE_KINDS", "default_nb_features", "draw_orthogonal_projection", "favor_features",
-           "key_exponent_floor", "favor_projection", "favor_inputs", "favor_exp_"]
+           "key_exponent_floor", "favor_projection", "check_projection", "favor_inputs", "favor_exp_"]
 
 FEATURE_KINDS = ("favor", "elu", "relu")
 
@@ -84,6 +84,15 @@ def draw_orthogonal_projection(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return draw()
+
+
+def check_projection(w: torch.Tensor, name: str = "projection") -> torch.Tensor:
+    """``w``, or ValueError if an entry is NaN or inf (a NaN or inf row makes every output NaN).
+    Run where a projection enters (its draw, a state dict), not in every forward: reading a
+    GPU tensor's values waits for the GPU."""
+    if w.device.type != "meta" and w.is_floating_point() and w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{name} must be finite (a NaN or inf row makes every output NaN)")
+    return w
 
 
 def pair_shift(w: torch.Tensor) -> torch.Tensor:
@@ -133,11 +142,21 @@ class FavorFeatures(nn.Module):
 
     @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Draw a new projection (FAVOR+ only; a no-op for elu/relu)."""
+        """Draw a new projection (FAVOR+ only; a no-op for elu/relu). It is drawn on the CPU and
+        checked there (``check_projection``); the copy to the GPU does not wait for it."""
         if self.projection is None:
             return
-        w = draw_orthogonal_projection(self.out_features, self.dim_head, generator)
-        self.projection.copy_(w)
+        w = check_projection(draw_orthogonal_projection(self.out_features, self.dim_head, generator))
+        if self.projection.is_cuda:
+            w = w.pin_memory()  # an asynchronous copy (from pageable memory it is a synchronous one)
+        self.projection.copy_(w, non_blocking=True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A projection enters here too (a checkpoint, ``from_pretrained``): checked as it loads."""
+        w = state_dict.get(prefix + "projection")
+        if isinstance(w, torch.Tensor):
+            check_projection(w, f"{prefix}projection")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         """x: `[..., N, d]` queries or keys -> `[..., N, m]` features in float32 or wider.

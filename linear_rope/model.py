@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .attention import RotaryLinearAttention
+from .checks import debug_checks, is_static
 from .decode import Decoder, check_temperature, sample_next  # noqa: F401 (re-exported)
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState
@@ -217,13 +218,12 @@ class PerformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def _check_ids(self, ids: torch.Tensor, name: str) -> None:
-        """Every id in [0, vocab_size): eager names the bad values; under torch.compile the same
-        check runs in the graph (``torch._assert_async``, a RuntimeError), with no graph break."""
+        """With ``LINEAR_ROPE_CHECKS=1``: ValueError naming the ids outside [0, vocab_size). By
+        default nothing is read here (that is a host sync): ``_lookup`` gives such an id NaN
+        logits instead, and the trainer's data are bytes, checked against the vocabulary before
+        a run starts."""
         V = self.cfg.vocab_size
-        if ids.numel() == 0:
-            return
-        if torch.compiler.is_compiling():
-            torch._assert_async(((ids >= 0) & (ids < V)).all(), f"{name}: token ids must be in [0, vocab_size={V})")
+        if ids.numel() == 0 or not debug_checks():
             return
         ids = ids.long()  # uint8 would wrap: ids >= 256 is ids >= 0 there
         out = (ids < 0) | (ids >= V)
@@ -233,17 +233,33 @@ class PerformerLM(nn.Module):
             shown = ", ".join(map(str, vals[:8])) + (", ..." if len(vals) > 8 else "")
             raise ValueError(f"{name}: {bad.numel()} id(s) outside [0, vocab_size={V}): {shown}")
 
+    @staticmethod
+    def _lookup(table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+        """``table(idx)``, where an index outside the table gives a row of NaN (so NaN logits, which
+        a training step refuses to apply) instead of an out-of-bounds read: no host sync, and no
+        device-side assert, which would end the process's CUDA context."""
+        n = table.num_embeddings
+        bad = (idx < 0) | (idx >= n)
+        x = table(idx.clamp(0, n - 1))
+        return x.masked_fill(bad.unsqueeze(-1), float("nan"))
+
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings, plus the ``absolute`` table at ``positions`` `[B, N]` (None: 0..N-1)."""
-        x = self.tok_emb(ids)
+        """Token embeddings, plus the ``absolute`` table at ``positions`` `[B, N]` (None: 0..N-1).
+
+        Positions 0..N-1, and those a mask gives (below N), fit the table when N <= seq_len, which
+        is checked on the host; other positions are read (a host sync) only when N > seq_len or
+        with ``LINEAR_ROPE_CHECKS=1``, else a position past the table gives NaN (``_lookup``)."""
+        x = self._lookup(self.tok_emb, ids)
         if self.pos_emb is not None:
+            L = self.cfg.seq_len
             if positions is None:
+                if ids.shape[1] > L:
+                    raise ValueError(f"ids: position {ids.shape[1] - 1} is past the absolute table of seq_len={L}")
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            if positions.numel() and int(positions.max()) >= self.cfg.seq_len:
-                raise ValueError(
-                    f"ids: position {int(positions.max())} is past the absolute table of seq_len={self.cfg.seq_len}"
-                )
-            x = x + self.pos_emb(positions)
+            elif positions.numel() and (debug_checks() or (ids.shape[1] > L and not is_static())) \
+                    and int(positions.max()) >= L:
+                raise ValueError(f"ids: position {int(positions.max())} is past the absolute table of seq_len={L}")
+            x = x + self._lookup(self.pos_emb, positions)
         return self.drop(x)
 
     def forward(self, ids: torch.Tensor, *, mask: torch.Tensor | None = None, output_final_state: bool = False):

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import torch
 
-from .checks import check_base, values
+from .checks import check_base, debug_checks, is_static, values
 
 __all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "token_positions", "MAX_POSITION",
            "rope_thetas", "rope_turns", "check_last_position"]
@@ -60,6 +60,26 @@ def _limbs(dim: int, base: float):
     return _turn_limbs(dim, base)
 
 
+_LIMB_TENSORS: dict = {}  # (dim, base, device) -> (a, b) on that device, made once
+
+
+def _limb_tensors(dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_limbs`` as float64 tensors on ``device``. Made from Python lists once per (dim, base,
+    device) and kept, so a forward copies nothing from the host (on CUDA such a copy waits for
+    the GPU). In a compiled graph they are the graph's constants; under a ``torch.func``
+    transform or a fake-tensor trace they are made afresh and not kept."""
+    key = (dim, base, device)
+    got = None if is_static() else _LIMB_TENSORS.get(key)
+    if got is None:
+        with torch.inference_mode(False):  # usable outside inference_mode too
+            got = tuple(torch.tensor(t, dtype=torch.float64, device=device) for t in _limbs(dim, base))
+        if not is_static() and type(got[0]) is torch.Tensor:  # a plain tensor, not a fake one
+            if len(_LIMB_TENSORS) >= 64:
+                _LIMB_TENSORS.pop(next(iter(_LIMB_TENSORS)))
+            _LIMB_TENSORS[key] = got
+    return got
+
+
 def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
     """frac(p * theta_i / 2 pi) `[..., dim / 2]` in float64 for integer positions `[...]`, within
     about 2**-51 turns of the exact value for every |p| < 2**63.
@@ -71,7 +91,7 @@ def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
     P_j b_j are below 1 each and add a rounding of 2**-53 each.
     """
     dim = int(dim)  # (a 0-dim tensor under torch.jit.trace)
-    a, b = (torch.tensor(t, dtype=torch.float64, device=positions.device) for t in _limbs(dim, float(base)))
+    a, b = _limb_tensors(dim, float(base), positions.device)
     p = positions.long().reshape(-1, 1)
     mag, sign = p.abs(), torch.where(p < 0, -1.0, 1.0).to(torch.float64)
     limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64) * sign
@@ -84,7 +104,9 @@ def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
 
 def check_offset(offset, name: str = "offset", rows: int | None = None):
     """An int in [0, MAX_POSITION], or (when ``rows`` is given) also an integer tensor `[rows]`
-    of per-row values in that range (returned as long)."""
+    of per-row values (returned as long). A tensor's values are read (a host sync) only with
+    ``LINEAR_ROPE_CHECKS=1``: a position out of range gets a well-defined angle anyway (every
+    ``|p| < 2**63`` is reduced exactly), it indexes nothing."""
     if isinstance(offset, torch.Tensor) and rows is not None:
         if offset.dtype not in (torch.int32, torch.int64) or offset.shape != (rows,):
             raise ValueError(f"{name} must be an int or an integer tensor [{rows}], got "
@@ -92,7 +114,7 @@ def check_offset(offset, name: str = "offset", rows: int | None = None):
         if offset.device.type == "meta":
             raise ValueError(f"{name}: a meta tensor has no values to read")
         vals = values(offset)
-        if vals.numel() and not (bool((vals >= 0).all()) and bool((vals <= MAX_POSITION).all())):
+        if debug_checks() and vals.numel() and not (bool((vals >= 0).all()) and bool((vals <= MAX_POSITION).all())):
             raise ValueError(f"{name} must lie in [0, MAX_POSITION = 2**62 - 1], got {vals.tolist()}")
         return offset.long()
     if isinstance(offset, bool) or not isinstance(offset, int):
@@ -108,8 +130,8 @@ def check_offset(offset, name: str = "offset", rows: int | None = None):
 
 def check_last_position(offset, n: int, name: str = "offset") -> None:
     """ValueError where positions ``offset .. offset + n - 1`` (per row, for a tensor offset
-    already checked) run past ``MAX_POSITION``."""
-    if n <= 0:
+    already checked, with ``LINEAR_ROPE_CHECKS=1`` only: see ``check_offset``) run past ``MAX_POSITION``."""
+    if n <= 0 or not (isinstance(offset, int) or debug_checks()):
         return
     top = offset if isinstance(offset, int) else (int(values(offset).max()) if offset.numel() else 0)
     if top + n - 1 > MAX_POSITION:

@@ -162,3 +162,20 @@ def test_projection_rows_are_unbiased_gaussian():
     torch.testing.assert_close(Q @ Q.t(), torch.eye(8, dtype=torch.float64), rtol=0, atol=1e-5)
     # and their norms are chi(d): E|w|^2 = d
     assert abs((W * W).sum(-1).mean().item() - 8) < 0.2
+
+
+def test_a_non_finite_projection_is_refused_where_it_enters():
+    """Drawn or loaded, a projection is checked once, on its way in (not in every forward)."""
+    f = FavorFeatures(8, 16)
+    sd = f.state_dict()
+    sd["projection"] = sd["projection"].clone()
+    sd["projection"][3, 1] = float("nan")
+    with pytest.raises(ValueError, match="^projection must be finite"):
+        f.load_state_dict(sd)
+    assert torch.isfinite(f.projection).all()  # left as it was
+    from linear_rope.features import check_projection
+
+    with pytest.raises(ValueError, match="^w must be finite"):
+        check_projection(torch.tensor([[1.0, float("inf")]]), "w")
+    f.redraw(torch.Generator().manual_seed(0))  # a draw passes its own check
+    assert torch.isfinite(f.projection).all()

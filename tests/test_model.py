@@ -145,7 +145,8 @@ def test_step_refuses_a_state_list_of_the_wrong_length():
 
 
 @pytest.mark.parametrize("call", ["forward", "step"])
-def test_ids_outside_the_vocabulary_name_the_values(call):
+def test_ids_outside_the_vocabulary_name_the_values(call, monkeypatch):
+    monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")  # value checks (a host sync) are opt-in
     model = tiny("rope")
     _, states = model(torch.tensor([[1, 2, 3]]), output_final_state=True)
     for bad, shown in ((256, "256"), (-1, "-1")):
@@ -215,8 +216,9 @@ def test_step_refuses_a_bool_token():
         model.step(torch.tensor([True]), states, 3)
 
 
-def test_uint8_ids_are_compared_without_wrapping():
+def test_uint8_ids_are_compared_without_wrapping(monkeypatch):
     """In uint8, ``ids >= 256`` wraps to ``ids >= 0``: every valid id was reported out of range."""
+    monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")
     model = tiny("rope").eval()
     ids = torch.tensor([[255, 3, 0]])
     torch.testing.assert_close(model(ids.to(torch.uint8)), model(ids), rtol=0, atol=0)

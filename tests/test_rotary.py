@@ -85,3 +85,30 @@ def test_low_precision_tables_are_float32():
 def test_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
         apply_rotary(**bad)
+
+
+def test_limb_tables_are_made_once_per_device_and_equal_fresh_ones(monkeypatch):
+    """rope_turns keeps its float64 limb tables per (dim, base, device): a second call copies
+    nothing from Python lists (a host sync on CUDA), and gives what fresh tables give."""
+    from linear_rope import rotary
+
+    pos = torch.arange(-5, 300, 7)
+    first = rotary.rope_turns(pos, 18, 777.0)
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    again = rotary.rope_turns(pos, 18, 777.0)
+    assert made == [] and torch.equal(first, again)
+    monkeypatch.setattr(rotary, "_LIMB_TENSORS", {})  # fresh tables: the same values
+    assert torch.equal(rotary.rope_turns(pos, 18, 777.0), first) and len(made) == 2
+
+
+def test_tensor_offsets_are_range_checked_only_with_linear_rope_checks(monkeypatch):
+    from linear_rope.rotary import check_offset
+
+    bad = torch.tensor([0, -3])
+    monkeypatch.delenv("LINEAR_ROPE_CHECKS", raising=False)
+    assert torch.equal(check_offset(bad, rows=2), bad)  # no value read: no host sync
+    monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")
+    with pytest.raises(ValueError, match=r"offset must lie in \[0, MAX_POSITION = 2\*\*62 - 1\], got \[0, -3\]"):
+        check_offset(bad, rows=2)

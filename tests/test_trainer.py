@@ -43,7 +43,7 @@ def test_bf16_autocast_step_is_finite_and_within_2_percent_of_fp32(splits, tmp_p
         t = trainer(splits, tmp_path, position, precision=precision)
         seen = set()  # the dtypes the feed-forward's matmuls produced: bf16 must really be used
         hook = t.model.blocks[0].ff[0].register_forward_hook(lambda m, i, o: seen.add(o.dtype))
-        losses_ = [t.train_step(s)[0] for s in range(3)]  # three updates: bf16 weights drift too
+        losses_ = [float(t.train_step(s)[0]) for s in range(3)]  # three updates: bf16 weights drift too
         hook.remove()
         assert seen == {torch.bfloat16 if precision == "bf16" else torch.float32}, (precision, seen)
         grads = [p.grad for p in t.model.parameters() if p.grad is not None]
@@ -77,10 +77,13 @@ def test_train_state_dict_is_the_checkpoint_and_restores_exactly(splits, tmp_pat
     sd = a.state.state_dict()
     assert set(sd) == {"model", "optimizer", "step", "rng", "config", "metrics", "world", "param_sha256"}
     assert set(ckpt) == set(sd) | {"content_sha256"}  # added by save_checkpoint, checked on load
-    want = [a.train_step(step) for step in (1, 2)]  # a feature redraw at step 2
+    def steps(t):  # (loss, grad norm, stop) as Python values
+        return [(float(loss), float(norm), stop) for loss, norm, stop in map(t.train_step, (1, 2))]
+
+    want = steps(a)  # a feature redraw at step 2
     b = trainer(splits, tmp_path, "rope", dropout=0.1)  # reseeds the (shared) global RNG
     assert b.resume() and b.state.step == 1
-    assert [b.train_step(step) for step in (1, 2)] == want  # weights, moments, every generator
+    assert steps(b) == want  # weights, moments, every generator
     for k, v in a.model.state_dict().items():
         assert torch.equal(v, b.model.state_dict()[k]), k
 
@@ -123,7 +126,7 @@ def test_fused_adamw_steps_like_the_for_loop_one(splits, tmp_path):
         if name == "loop":
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in t.state.optimizer.param_groups]
             t.state.optimizer = torch.optim.AdamW(groups, lr=t.tc.lr, foreach=False)
-        runs[name] = ([t.train_step(s)[0] for s in range(3)], [p.detach().clone() for p in t.model.parameters()])
+        runs[name] = ([float(t.train_step(s)[0]) for s in range(3)], [p.detach().clone() for p in t.model.parameters()])
     assert runs["fused"][0] == pytest.approx(runs["loop"][0], rel=1e-5)
     for a, b in zip(runs["fused"][1], runs["loop"][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -137,7 +140,7 @@ def test_compile_without_a_cxx_compiler_trains_eagerly_with_one_info_line(splits
     t = trainer(splits, tmp_path, "rope", compile=True)
     t._open()
     try:
-        losses_ = [t.train_step(s)[0] for s in range(2)]
+        losses_ = [float(t.train_step(s)[0]) for s in range(2)]
     finally:
         t._close()
     err = capsys.readouterr().err

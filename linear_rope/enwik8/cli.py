@@ -65,7 +65,7 @@ def _add_fields(group, cls, skip, presets: dict[str, dict]) -> None:
                    if by_preset else f.default)
         text = f"{helps.get(f.name, f.name)} (default: {default})".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
-        if hint is bool:  # SUPPRESS: a flag not given leaves the preset's value
+        if hint is bool or hint == (bool | None):  # SUPPRESS: a flag not given leaves the preset's value
             group.add_argument(flag, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=text)
             continue

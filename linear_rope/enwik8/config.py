@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, replace
 from ..model import MODEL_PRESETS, ModelConfig, PerformerLM, check_field_types
 
 __all__ = ["ConfigError", "TrainConfig", "TRAIN_PRESETS", "RESUMABLE", "MAX_SEQ_LEN", "lr_at",
-           "check_model", "check_run", "resume_diffs", "PRECISIONS", "MAX_SEED", "MAX_BATCH_TOKENS"]
+           "check_model", "check_run", "resume_diffs", "PRECISIONS", "COMPILE_MODES", "MAX_SEED", "MAX_BATCH_TOKENS"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 NONFINITE = ("stop", "skip")
 # Seeds are 32-bit, as numpy's: the run's generators are seeded with seed * 1000 (+ an offset per
 # rank) and seed + 1_000_003, which must stay inside torch's 64-bit seed range.
@@ -38,7 +39,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm (0: no clipping)
     eval_every: int = 250  # val BPC every N steps (0: only at the last step)
     eval_batch_size: int = 32  # eval windows per forward pass
-    log_every: int = 10  # train scalars every N steps
+    log_every: int = 10  # train scalars every N steps (the only steps that read statistics back from the device)
     checkpoint_every: int = 0  # also checkpoint every N steps (0: at evals, the end and signals)
     keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
     seed: int = 0  # init, data order and redraws (set per run by --seeds)
@@ -46,11 +47,12 @@ class TrainConfig:
     data_dir: str = "data"  # where the splits (and enwik8.zip) are cached
     out: str | None = None  # experiment dir, one subdir per run (None: runs/<preset>)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    compile: bool = False  # model.compile() in place (on CPU it needs a C++ compiler, else it trains eagerly and says so)
+    compile: bool | None = None  # model.compile(fullgraph=True) in place (None: on for CUDA, off for CPU; on CPU it needs a C++ compiler, else it trains eagerly and says so)
+    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     threads: int | None = None  # torch CPU threads (None: the idle cores at start, see runtime.py)
     deterministic: bool = False  # torch.use_deterministic_algorithms (bitwise-repeatable runs)
-    on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm stops the run, or skips that update (20 in a row stop it)
+    on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm is never applied; stop ends the run at the next logging interval (or checkpoint) at the latest, skip goes on (20 in a row stop it)
 
     def __post_init__(self):
         check_field_types(self)  # a bool is not a number; every float is finite
@@ -70,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.on_nonfinite not in NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for f in ("decay_steps", "threads"):
@@ -102,7 +106,7 @@ assert set(TRAIN_PRESETS) == set(MODEL_PRESETS)
 
 # Train fields a --resume may change: they do not alter the training trajectory.
 RESUMABLE = {"steps", "eval_every", "eval_batch_size", "log_every", "checkpoint_every",
-             "keep_checkpoints", "data", "data_dir", "out", "device", "compile", "precision",
+             "keep_checkpoints", "data", "data_dir", "out", "device", "compile", "compile_mode", "precision",
              "threads", "deterministic", "on_nonfinite"}
 
 # A sanity cap on --seq-len per preset (16x its training length): a typo such as --seq-len 1024000

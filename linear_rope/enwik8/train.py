@@ -25,16 +25,19 @@ Every variant x seed is one run in ``<out>/<variant>-seed<k>/`` (TensorBoard eve
 ``ckpt-<step>.pt``, the newest ``--keep-checkpoints`` kept), trained by ``trainer.Trainer``.
 Resume is exact: ``--resume`` reproduces every ``train/loss`` of an uninterrupted run bit for bit
 on CPU. SIGTERM / SIGINT checkpoint at the end of the current step and exit 0 with the resume
-command. A non-finite loss or gradient norm stops the run at that step before the update
-(exit 3), naming the last good checkpoint. Every flag is checked before any data is read
+command. A non-finite loss or gradient norm is not applied, and stops the run at the next
+logging interval (exit 3), naming that step and the last good checkpoint. Every flag is checked before any data is read
 (``cli.py``): a bad one is one line on stderr and exit 2.
 
-``--compile`` calls ``model.compile()`` in place (the whole model, one graph: the attention op is
-the custom op ``linear_rope::chunk_causal``). It is off by default: on the CPU a compiled
-``cpu20m`` step measured 0.96x eager at 1 thread (0.731 against 0.700 s; the op, the dense
-layers and their GEMMs are most of the step, and Inductor fuses only what is around them), and
-the first steps wait 49 s for compilation. On the CPU it needs a C++ compiler; without one the run trains eagerly and
-says so in one line. AdamW runs its fused kernel (one pass per tensor) where the device has one.
+``--compile`` calls ``model.compile(fullgraph=True)`` in place (the whole model, one graph: the
+attention op is the custom op ``linear_rope::chunk_causal``); ``--compile-mode reduce-overhead``
+adds CUDA graphs. It is on by default on CUDA and off on the CPU: there a compiled ``cpu20m``
+step measured 0.96x eager at 1 thread (0.731 against 0.700 s; the op, the dense layers and their
+GEMMs are most of the step, and Inductor fuses only what is around them), and the first steps
+wait 49 s for compilation. On the CPU it needs a C++ compiler; without one the run trains eagerly
+and says so in one line. A step reads nothing back from the device: the loss and the non-finite
+flag are read once per ``--log-every`` interval, and a non-finite update is never applied (it is
+gated on the device; ``--on-nonfinite stop`` ends the run at that interval). AdamW runs its fused kernel (one pass per tensor) where the device has one.
 On CUDA the forward runs under bf16 autocast (``--precision``). On CPU the thread count is the
 number of cores idle at start unless ``--threads`` or ``OMP_NUM_THREADS`` says otherwise (``runtime.py``).
 """

@@ -197,8 +197,19 @@ class Trainer:
         self.state = TrainState(model, make_optimizer(model, tc), data_gen, feature_gen, config, dd)
         self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
         self.writer, self.progress = None, None
-        self.skipped, self._skip_run = False, 0  # --on-nonfinite skip: this step, and the run of them
         self.compiled = False  # tc.compile, where a compiler was found (``_open``)
+        # --compile / --no-compile, else on CUDA (one graph per step) and off on the CPU, where a
+        # compiled step measured no faster than eager (linear_rope/enwik8/train.py)
+        self.wants_compile = tc.compile if tc.compile is not None else dd.device.type == "cuda"
+        # What a step leaves on the device for the next _flush: a row [loss, grad norm, code]
+        # per step (see _gate), the skips in a row, whether the run has stopped, stop requests.
+        self._window = torch.zeros(max(tc.log_every, 1), 3, device=dd.device)
+        self._pending: list[int] = []  # the 1-based steps whose rows wait in _window
+        self._run = torch.zeros((), dtype=torch.long, device=dd.device)
+        self._halted = torch.zeros((), dtype=torch.bool, device=dd.device)
+        self._stop_seen = torch.zeros((), device=dd.device)
+        self._skip_run = 0  # the host's count of skips in a row, as of the last _flush
+        self._t0, self._n = time.perf_counter(), 0  # tokens/s: since when, over how many steps
 
     def resume(self) -> bool:
         """Load the run dir's newest checkpoint, if any, after the resume checks: the config
@@ -256,7 +267,10 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train up to ``tc.steps``; ``{"step", "val_bpc", "test_bpc", "stopped"}``, where
-        ``stopped`` names the signal that ended the run early (it was checkpointed)."""
+        ``stopped`` names the signal that ended the run early (it was checkpointed).
+
+        A step reads nothing back from the device: its statistics are read once per logging
+        interval (``_flush``), and before every evaluation and checkpoint."""
         st, tc = self.state, self.tc
         if st.step >= tc.steps:
             if self.dd.lead:
@@ -270,17 +284,19 @@ class Trainer:
         stopped = None
         try:
             for step in range(st.step, tc.steps):
-                loss, grad_norm, stop_now = self.train_step(step)
+                stop_now = self.train_step(step)[2]
                 st.step = done = step + 1
-                if self.skipped:
-                    self._log_skip(loss, grad_norm)
-                else:
-                    self._log_train(loss, grad_norm)
                 last = done == tc.steps
                 evaluated = bool(tc.eval_every and done % tc.eval_every == 0) or last
+                saving = evaluated or stop_now or bool(tc.checkpoint_every and done % tc.checkpoint_every == 0)
+                if saving or done % tc.log_every == 0 or len(self._pending) == self._window.shape[0]:
+                    stop_now = self._flush() or stop_now
+                    saving = saving or stop_now
+                else:
+                    self.progress.update(done)
                 if evaluated:
                     self._log_eval(last)
-                if evaluated or stop_now or (tc.checkpoint_every and done % tc.checkpoint_every == 0):
+                if saving:
                     self.save()
                 if stop_now and not last:
                     stopped = (self.stop and self.stop.received) or "a signal on another rank"
@@ -291,12 +307,20 @@ class Trainer:
             self._close()
         return {"step": st.step, **st.metrics, "stopped": stopped}
 
-    def train_step(self, step: int) -> tuple[float, float, bool]:
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The update at 0-based ``step``: redraw, lr, one global batch in ``grad_accum`` micro-
         batches, clip, one small collective (mean loss, non-finite flag, stop request), AdamW.
-        Returns ``(loss, grad norm, stop requested)``; a non-finite loss or gradient norm raises
-        :class:`NonFiniteError` before the update."""
+
+        Returns ``(loss, grad norm, stop requested)``: the first two are 0-dim tensors on the
+        device, read by nobody here (``float(loss)`` waits for the step). Nothing is read back
+        from the device: a non-finite loss or gradient norm keeps the update from being applied
+        on the device (fused AdamW's ``found_inf``), and so does every step after one that
+        stops the run (``--on-nonfinite stop``, or more than ``MAX_SKIPS_IN_A_ROW`` skips); the
+        next ``_flush`` reports it and raises :class:`NonFiniteError`. Under DDP the stop request
+        of another rank is seen at the next ``_flush`` too."""
         st, tc, mc, dd = self.state, self.tc, self.mc, self.dd
+        if len(self._pending) == self._window.shape[0]:  # a caller other than fit, past an interval
+            self._flush()
         if mc.feature_redraw_interval and step > 0 and step % mc.feature_redraw_interval == 0:
             self.model.redraw_features(st.feature_gen)
         for group in st.optimizer.param_groups:
@@ -316,28 +340,70 @@ class Trainer:
                 (loss / tc.grad_accum).backward()
             loss_sum = loss_sum + loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or math.inf)
-        stop = float(self.stop is not None and self.stop.received is not None)
-        stats = torch.stack([loss_sum.float() / tc.grad_accum,
-                             (~torch.isfinite(loss_sum)).float() + (~torch.isfinite(grad_norm)).float(),
-                             torch.tensor(stop, device=dd.device)])
-        if dd.world > 1:
+        stop = self.stop is not None and self.stop.received is not None
+        loss_v = loss_sum.float() / tc.grad_accum
+        bad = (~torch.isfinite(loss_v)) | (~torch.isfinite(grad_norm))
+        if dd.world > 1:  # the mean loss, a non-finite step on any rank, a stop request on any rank
+            stats = torch.stack([loss_v, bad.float(), torch.full((), float(stop), device=dd.device)])
             dist.all_reduce(stats)
-            stats[0] /= dd.world
-        loss_v, bad, stop_now = stats.tolist()
-        self.skipped = bool(bad) and tc.on_nonfinite == "skip" and self._skip_run < MAX_SKIPS_IN_A_ROW
-        if self.skipped:  # every rank saw the same flag: all skip this update together
-            self._skip_run += 1
-            st.metrics["skipped_steps"] = st.metrics.get("skipped_steps", 0) + 1
-            st.optimizer.zero_grad(set_to_none=True)
-            return loss_v, grad_norm.item(), bool(stop_now)
-        if bad:
-            what = "loss" if not math.isfinite(loss_v) else "gradient norm"
-            again = f" ({MAX_SKIPS_IN_A_ROW} skipped in a row before it)" if self._skip_run else ""
-            self._stop_nonfinite(step + 1, what, f"non-finite {what} at step {step + 1}{again}; the "
-                                 f"update was not applied and the run stopped")
-        self._skip_run = 0
-        st.optimizer.step()
-        return loss_v, grad_norm.item(), bool(stop_now)
+            loss_v, bad, self._stop_seen = stats[0] / dd.world, stats[1] > 0, self._stop_seen + stats[2]
+        code = self._gate(bad)
+        if all(g.get("fused") for g in st.optimizer.param_groups):
+            st.optimizer.found_inf = code.ne(0).float()  # the fused kernel leaves every tensor as it was
+            st.optimizer.step()
+        else:  # the for-each AdamW has no found_inf: read the flag (a sync)
+            st.optimizer.__dict__.pop("found_inf", None)
+            if not bool(code.ne(0)):
+                st.optimizer.step()
+        self._pending.append(step + 1)
+        self._window[len(self._pending) - 1] = torch.stack([loss_v, grad_norm.float(), code.float()])
+        return loss_v, grad_norm, stop and dd.world == 1
+
+    def _gate(self, bad: torch.Tensor) -> torch.Tensor:
+        """On the device, what happens to this step's update: 0 applied, 1 skipped (``skip``), 2
+        the run stops here (not applied), 3 not applied (the run stopped at an earlier step).
+        ``self._run`` counts the skips in a row, ``self._halted`` says the run has stopped."""
+        limit = MAX_SKIPS_IN_A_ROW if self.tc.on_nonfinite == "skip" else 0
+        halt = bad & (self._run >= limit)
+        skip = bad & ~halt & ~self._halted
+        code = torch.where(self._halted, 3, torch.where(halt, 2, skip.long()))
+        self._run = torch.where(skip, self._run + 1, torch.where(bad | self._halted, self._run, 0))
+        self._halted = self._halted | halt
+        return code
+
+    def _flush(self) -> bool:
+        """Read the steps since the last flush (one sync), log them, and raise
+        :class:`NonFiniteError` where one stopped the run. Returns whether another rank asked
+        to stop (DDP)."""
+        if not self._pending:
+            return False
+        st, tc = self.state, self.tc
+        rows = self._window[:len(self._pending)].tolist()
+        stop_seen = bool(self._stop_seen) if self.dd.world > 1 else False
+        steps, self._pending = self._pending, []
+        last = None
+        for done, (loss, grad_norm, code) in zip(steps, rows):
+            if code == 1:
+                self._skip_run += 1
+                st.metrics["skipped_steps"] = st.metrics.get("skipped_steps", 0) + 1
+                self._log_skip(done, loss, grad_norm)
+            elif code == 2:
+                what = "loss" if not math.isfinite(loss) else "gradient norm"
+                again = f" ({MAX_SKIPS_IN_A_ROW} skipped in a row before it)" if self._skip_run else ""
+                after = f", nor any after it up to step {steps[-1]}" if steps[-1] > done else ""
+                self._stop_nonfinite(done, what, f"non-finite {what} at step {done}{again}; the update "
+                                     f"was not applied{after} and the run stopped")
+            elif code == 3:  # only after a caller went on past the NonFiniteError of that step
+                self._stop_nonfinite(done, "an earlier step", f"step {done} was not applied: the run stopped "
+                                     f"at an earlier non-finite step")
+            else:
+                self._skip_run = 0
+                last = (loss, grad_norm)
+                self._log_train(done, loss, grad_norm)
+        if self.progress is not None:
+            self.progress.update(steps[-1], **({} if last is None else
+                                               {"loss": f"{last[0]:.4f}", "bpc": f"{last[0] / math.log(2):.3f}"}))
+        return stop_seen
 
     def _stop_nonfinite(self, step: int, what: str, why: str):
         """Raise :class:`NonFiniteError` naming the last good checkpoint (finite weights and val
@@ -378,8 +444,9 @@ class Trainer:
         or softmax attention. Under ``--compile`` the graph holds the torch path's custom op."""
         if self.mc.position == "softmax":
             return "softmax attention (torch scaled_dot_product_attention)"
-        if self.tc.compile and compile_unavailable(self.dd.device) is None:
-            return "torch path (torch.compile: the graph holds the custom op linear_rope::chunk_causal)"
+        if self.wants_compile and compile_unavailable(self.dd.device) is None:
+            mode = "" if self.tc.compile_mode == "default" else f", {self.tc.compile_mode}"
+            return f"torch path (torch.compile{mode}: the graph holds the custom op linear_rope::chunk_causal)"
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.dd.device)
         was = self.model.training
         with record_paths() as paths, torch.no_grad(), autocast(self.dd.device, self.tc.precision):
@@ -391,10 +458,10 @@ class Trainer:
         """compile, DDP, and on rank 0 config.json, the TensorBoard writer and the progress."""
         st, tc, dd = self.state, self.tc, self.dd
         self.attention = self.attention_path()
-        if tc.compile and not self.compiled:
+        if self.wants_compile and not self.compiled:
             why = compile_unavailable(dd.device)
-            if why is None:
-                self.model.compile()  # in place: state_dict keys stay clean
+            if why is None:  # in place: state_dict keys stay clean; one graph, or an error
+                self.model.compile(fullgraph=True, mode=None if tc.compile_mode == "default" else tc.compile_mode)
                 self.compiled = True
             elif dd.lead:
                 print(f"{self.name}: info: {why}; training eagerly (--no-compile says so up front)",
@@ -419,8 +486,8 @@ class Trainer:
               f"global batch {self.per_step}", file=sys.stderr)
         print(f"{self.name}: attention: {self.attention}", file=sys.stderr)
 
-    def _log_train(self, loss: float, grad_norm: float) -> None:
-        done, tc = self.state.step, self.tc
+    def _log_train(self, done: int, loss: float, grad_norm: float) -> None:
+        tc = self.tc
         self._n += 1
         bpc = loss / math.log(2)
         if done % tc.log_every == 0 or done == tc.steps:
@@ -430,15 +497,15 @@ class Trainer:
                                ("perf/tokens_per_sec", tok_s), ("grad/norm", grad_norm)):
                     self.writer.add_scalar(tag, v, done)
             self._t0, self._n = time.perf_counter(), 0
-        self.progress.update(done, loss=f"{loss:.4f}", bpc=f"{bpc:.3f}")
 
-    def _log_skip(self, loss: float, grad_norm: float) -> None:
+    def _log_skip(self, done: int, loss: float, grad_norm: float) -> None:
         n = self.state.metrics["skipped_steps"]
         if self.writer is not None:
-            self.writer.add_scalar("train/skipped_steps", n, self.state.step)
-        self.progress.write(f"{self.name} step {self.state.step}: non-finite "
-                            f"{'loss' if not math.isfinite(loss) else f'gradient norm ({grad_norm})'}, "
-                            f"update skipped ({n} so far)")
+            self.writer.add_scalar("train/skipped_steps", n, done)
+        if self.progress is not None:
+            self.progress.write(f"{self.name} step {done}: non-finite "
+                                f"{'loss' if not math.isfinite(loss) else f'gradient norm ({grad_norm})'}, "
+                                f"update skipped ({n} so far)")
 
     def _log_eval(self, last: bool) -> None:
         st, t = self.state, time.perf_counter()
