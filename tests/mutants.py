@@ -124,7 +124,7 @@ MUTANTS = [
     Mutant("chunk-parallel Triton kernel: bf16 products on unsplit bf16 operands", OPS + "triton/dispatch.py",
            'bf16 = "bf16x3" if tc else "tf32x3"', 'bf16 = "bf16" if tc else "tf32x3"',
            ["tests/test_triton.py", "-k", "tensor_cores and bfloat16-tc"]),
-    Mutant("bf16 tensor-core kernels read the projection's pieces for features in", OPS + "triton/gemm.py",
+    Mutant("bf16 tensor-core kernels read the projection's pieces for features in", OPS + "triton/favor.py",
            'if XPREC == "bf16w3" and FAVOR:\n        dd = tl.arange(0, weT.shape[0])',
            'if XPREC == "bf16w3":\n        dd = tl.arange(0, weT.shape[0])',
            ["tests/test_triton_bounds.py", "-k", "features-bfloat16-tc"]),
