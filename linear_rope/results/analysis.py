@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from ..enwik8 import data
+from ..attention import ROW_SUM_FLOOR
 from ..enwik8.runtime import Dist
 from ..enwik8.trainer import evaluate
-from ..attention import ROW_SUM_FLOOR
 from ..model import PerformerLM
 from ..ops import eq19_weights as _eq19_weights_op
 from ..ops import rotary_linear_attention

@@ -34,7 +34,7 @@ def _launch(name, kernel, grid, *args, **kwargs):
 @functools.lru_cache(maxsize=None)
 def _triangles(C: int, device: torch.device) -> torch.Tensor:
     """The chunk's causal matrices of ones `[2, C, C]` in bf16, lower then upper triangular
-    (``kernels._tri``): made once per chunk size and device, not in every backward."""
+    (``gemm._tri``): made once per chunk size and device, not in every backward."""
     L = torch.ones(C, C, device=device, dtype=torch.bfloat16).tril_()
     return torch.stack([L, L.T]).contiguous()
 
@@ -220,7 +220,7 @@ def rotary_linear_attention(
         if projection is not None:
             w = projection.detach().to(device=q.device, dtype=cdt).contiguous()
             c = pair_shift(w)[0::2].contiguous()  # (P,): one shift per rotation pair
-            if cfg["chunk"]["XPREC"] == "bf16w3":  # w d^(-1/4) in three bf16 pieces (kernels._exponent3)
+            if cfg["chunk"]["XPREC"] == "bf16w3":  # w d^(-1/4) in three bf16 pieces (favor._exponent)
                 ws = w.float() * (1.0 / (x ** 0.5) ** 0.5)
                 w1 = ws.bfloat16()
                 w2 = (ws - w1.float()).bfloat16()

@@ -17,17 +17,18 @@ outputs is written:
 
 On the bf16 tensor-core path every transposed ``tl.dot`` operand is a 16-bit tile (loaded, or
 rounded / split to bf16 first), so the transpose is a view of it in shared memory, never a
-register shuffle of a product's fp32 result (``kernels._mma_nt``, ``kernels._mma_tn``).
+register shuffle of a product's fp32 result (``gemm._mma_nt``, ``gemm._mma_tn``).
 
-Shared pieces and precisions: ``kernels.py``.
+Shared pieces: ``favor.py``; GEMMs and their precisions: ``gemm.py``.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .kernels import (_INTS, _block, _chunk, _cum, _exp_weights, _feats, _flags, _load_pairs, _mma, _mma_bsplit,
-                      _mma_nt, _mma_split, _rotate, _scale, _shift, _split, _sq, _tables, _tri, _x, _xin)
+from .favor import _block, _chunk, _exp_weights, _feats, _flags, _load_pairs, _rotate, _shift, _sq, _tables, _x, _xin
+from .gemm import _cum, _mma, _mma_bsplit, _mma_nt, _mma_split, _scale, _split, _tri
+from .kernels import _INTS
 
 
 @triton.jit
