@@ -118,6 +118,16 @@ def test_bad_device_or_seed_is_one_line(tmp_path, capsys, argv, text):
     assert text in _fails(capsys, [str(path), "--prompt", "x", *argv])
 
 
+@pytest.mark.parametrize("value", ["garbage", "fla"])
+def test_a_backend_sampling_cannot_use_is_one_line(tmp_path, capsys, monkeypatch, value):
+    if value == "fla" and torch.cuda.is_available():
+        pytest.skip("fla is refused without CUDA only")
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", value)
+    path = tmp_path / "m.pt"
+    save_model(path, forced_byte_model(65))
+    assert "LINEAR_ROPE_BACKEND" in _fails(capsys, [str(path), "--prompt", "x"])
+
+
 def test_a_checkpoint_with_nan_weights_is_refused(tmp_path, capsys):
     model = forced_byte_model(65)
     with torch.no_grad():

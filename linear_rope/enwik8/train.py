@@ -50,6 +50,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from . import data
 from .checkpoint import check_out_dir
+from ..ops.triton.dispatch import check_backend
 from .cli import build_parser, parse_runs
 from .config import ConfigError, TrainConfig
 from .rundir import RunLocks, clear_run_dir, os_error_line
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     try:  # every check that needs no data, before anything is read or written
         args, runs = parse_runs(parser, argv)
+        check_backend(None if runs[0][2].device == "auto" else runs[0][2].device)  # LINEAR_ROPE_BACKEND
     except (ValueError, TypeError) as e:
         fail(e)
     # One writer per run folder (rank 0 holds the lock for the whole launch), held from before the
