@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from . import data
-from .checkpoint import check_out_dir
+from .checkpoint import check_out_dir, latest_checkpoint
 from ..ops.triton.dispatch import check_backend
 from .cli import build_parser, parse_runs
 from .config import ConfigError, TrainConfig
@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             for note in (locks.acquire() if locks else []):
                 print(f"{parser.prog}: note: {note}", file=sys.stderr)
             clear = check_out_dir(runs, args.resume, args.overwrite)
+            fresh = nothing_to_resume(runs) if args.resume and lead else None
         except (ValueError, OSError) as e:
             fail(e)
+        if fresh:  # a typo in --out resumes nothing: say so before training starts
+            print(f"{parser.prog}: note: {fresh}", file=sys.stderr)
         results, dd = _run(runs, clear, args.resume, fail)
         if dd.lead:
             _report(results, Path(runs[0][2].out), argv, prog, dd.world)
@@ -106,6 +109,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if locks:
             locks.release()
     return 0
+
+
+def nothing_to_resume(runs) -> str | None:
+    """For ``--resume``: one line naming what it looked for and did not find (the runs without a
+    checkpoint, which start from step 0), or None when every run has a checkpoint."""
+    out = Path(runs[0][2].out)
+    fresh = [name for name, _, _ in runs if latest_checkpoint(out / name) is None]
+    if not fresh:
+        return None
+    which = "every run" if len(fresh) == len(runs) else ", ".join(fresh)
+    return (f"--resume: no checkpoint (ckpt-<step>.pt) in {', '.join(str(out / n) for n in fresh)}; "
+            f"starting {which} from step 0")
 
 
 def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
