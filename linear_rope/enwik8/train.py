@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.tensorboard import SummaryWriter
 
 from . import data
 from .checkpoint import check_out_dir, latest_checkpoint
@@ -140,7 +139,6 @@ def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
                     if kept:
                         print(f"{run_dir.name}: --overwrite kept what a run does not write: "
                               f"{', '.join(kept)}", file=sys.stderr)
-                write_layout(Path(tc0.out))
             if dd.world > 1:
                 dist.barrier()
             for name, mc, tc in runs:
@@ -185,17 +183,6 @@ def _load_data(runs, dd: Dist) -> dict:
 
 def _prepare(tc: TrainConfig) -> dict[str, Path]:
     return data.prepare_corpus(tc.data, tc.data_dir) if tc.data else data.prepare_enwik8(tc.data_dir)
-
-
-def write_layout(out: Path) -> None:
-    """Custom-scalars charts at the experiment root: each chart overlays every run's curve."""
-    if any(out.glob("events.out.tfevents.*")):
-        return
-    layout = {"ablation": {"val/bpc (all runs)": ["Multiline", [r"^val/bpc$"]],
-                           "train/bpc (all runs)": ["Multiline", [r"^train/bpc$"]]}}
-    out.mkdir(parents=True, exist_ok=True)
-    with SummaryWriter(out) as w:
-        w.add_custom_scalars(layout)
 
 
 def _report(results, out: Path, argv: list[str], prog: str, world: int) -> None:
