@@ -65,6 +65,8 @@ def load_model(path, device: str = "cpu") -> PerformerLM:
             model = PerformerLM(cfg)
             verify_params(ckpt, model, path)
             model.load_state_dict(sd)
+        except CheckpointError:
+            raise
         except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as e:
             raise CheckpointError(f"{path} does not match linear_rope's model "
                                   f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
