@@ -134,3 +134,15 @@ def test_citation_and_ignored_build_outputs():
         assert f'value: "arXiv:{arxiv}"' in cff and f'title: "{title}"' in cff
     ignored = set((ROOT / ".gitignore").read_text().split())
     assert {"/build/", "/dist/", "*.egg-info/"} <= ignored
+
+
+def test_metadata_names_the_project_urls_and_dev_builds_the_package():
+    """A wheel's metadata links its home, source, issue tracker and docs; ``.[dev]`` has what
+    ``python -m build`` needs."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    project = read_configuration(ROOT / "pyproject.toml")["project"]
+    urls = project["urls"]
+    assert set(urls) == {"Homepage", "Repository", "Issues", "Documentation"}
+    assert all(u.startswith("https://") for u in urls.values())
+    assert any(d.split(">")[0].split("=")[0].strip() == "build" for d in project["optional-dependencies"]["dev"])
