@@ -1,4 +1,4 @@
-"""Results tables and figures from finished runs (matplotlib: ``pip install -e ".[plot]"``).
+"""Results tables and figures from finished runs (matplotlib: ``pip install "linear_rope[plot]"``).
 
     python -m linear_rope.plots decay --out results            # RoFormer Fig. 2, d=64 and m=266
     python -m linear_rope.plots all --runs runs/results \\
@@ -54,7 +54,7 @@ def _plt():
     try:
         import matplotlib
     except ImportError:
-        raise ResultsError('matplotlib is not installed; pip install -e ".[plot]"') from None
+        raise ResultsError('matplotlib is not installed: pip install "linear_rope[plot]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
