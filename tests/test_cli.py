@@ -324,3 +324,19 @@ def test_a_bad_backend_is_one_line_as_a_process(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("what", ["summary", "decay", "all", "tables"])
+def test_plots_without_out_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, what):
+    """``python -m linear_rope.plots`` writes only where ``--out`` says: without it, one line and
+    exit 2, and nothing in the caller's folder (no ``results/`` appears there)."""
+    from linear_rope.results import plots
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        plots.main([what, "--runs", "runs"])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{what} needs --out" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
