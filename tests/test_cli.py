@@ -162,6 +162,8 @@ EARLY = [  # (argv, text in the one error line)
     (["--batch-size", "1000000000"], "batch_size 1000000000 x seq_len 32"),
     (["--eval-batch-size", "1000000000"], "eval_batch_size 1000000000 x seq_len 32"),
     (["--seeds", str(2**64)], "seed must be in [0, 4294967295]"),
+    (["--grad-accum", str(10**17)], "tokens per step is above the sanity cap"),  # drew 10**17 offsets at once
+    (["--threads", "100000"], "threads 100000 is more than 4 per CPU core"),  # thousands of threads failed to start
 ]
 if not torch.cuda.is_available():
     EARLY.append((["--device", "cuda"], "CUDA is not available"))
@@ -340,3 +342,18 @@ def test_plots_without_out_is_one_line_and_writes_nothing(tmp_path, monkeypatch,
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"{what} needs --out" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--out", "--data", "--data-dir"])
+def test_an_empty_path_is_refused_not_taken_for_the_default(tmp_path, monkeypatch, capsys, flag):
+    """``--out "$OUT"`` with OUT unset wrote into runs/<preset>, ``--data ""`` fetched enwik8:
+    an empty path is one line and exit 2, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.txt").write_bytes(b"abc " * 500)
+    given = {"--out": "o", "--data": "c.txt", "--data-dir": "d", flag: " "}
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--preset", "tiny", "--steps", "1", *(x for kv in given.items() for x in kv)])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"is an empty path; leave {flag} out for its default" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]

@@ -154,7 +154,8 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
                 **{f.name: given[f.name] for f in fields(ModelConfig) if f.name in given}}
     train_kw = {**TRAIN_PRESETS[args.preset],
                 **{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given}}
-    train_kw["out"] = train_kw.get("out") or f"runs/{args.preset}"
+    if train_kw.get("out") is None:
+        train_kw["out"] = f"runs/{args.preset}"
     if model_kw["seq_len"] > MAX_SEQ_LEN[args.preset]:
         raise ValueError(f"seq_len {model_kw['seq_len']} is above the {args.preset} preset's maximum "
                          f"{MAX_SEQ_LEN[args.preset]} (16x its training length); use a larger preset")
