@@ -83,7 +83,7 @@ def fla_path(N):
 
 
 def fla_fused_features_path(N):
-    """Not built: the fla-backed path with FAVOR+ and RoPE in one small kernel (the issue's other
+    """Not built: the fla-backed path with FAVOR+ and RoPE in one small kernel (the other
     option) that reads q, k (bf16) and writes the four bf16 tensors fla gets in its layout, and
     in the backward reads their four gradients and writes dq, dk; the exponent products at 3x
     TF32 (TF32x3, as our kernels). fla's phase as in ``fla_path``; the blocks' sum and the

@@ -138,7 +138,7 @@ PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "ours_fla"
 
 def impls(ctx: Ctx) -> dict:
     """name -> (fn or None, description or skip reason), in the order each N measures them: the
-    comparison the GPU issue asks for first (the kernels, flash, fla), then the rest."""
+    comparison that matters first (the kernels, flash, fla), then the rest."""
     res = {}
     W = FavorFeatures(D, M).projection.to(ctx.device)
     res["ours_triton"] = _ours_triton(ctx, W)

@@ -100,8 +100,8 @@ TRAIN_PRESETS: dict[str, dict] = {
     # about 1.35 steps/s at 1 thread with a second run beside it: 61 min plus evals
     "cpu20m": dict(lr=2e-3, batch_size=16, steps=4900, warmup_steps=100, eval_every=490,
                    eval_batch_size=32, log_every=10),
-    # 9800 steps x 16 x 256 = 40.14M training bytes; issue 24's ablation (--preset cpu20m is the
-    # old recipe). lr 4e-3 with qk_norm: the sweep's best on `none` (results/recipe_sweep). About
+    # 9800 steps x 16 x 256 = 40.14M training bytes; the headline ablation (--preset cpu20m is the
+    # earlier recipe). lr 4e-3 with qk_norm: the sweep's best on `none` (results/recipe_sweep). About
     # 0.75 s/step at 1 thread with a second run beside it: 2 h plus evals.
     "cpu40m": dict(lr=4e-3, batch_size=16, steps=9800, warmup_steps=100, eval_every=490,
                    eval_batch_size=32, log_every=10),

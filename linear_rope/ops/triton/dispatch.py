@@ -7,7 +7,7 @@ variable, else ``"auto"``.
 
 * ``auto`` takes the kernels for CUDA tensors of at most ``AUTO_KERNEL_ROWS`` query rows (B * H * N:
   above that a GPU measured the torch path faster) where they can run: Triton imports, its version
-  is one this project tested (``TRITON_TESTED``), the GPU's compute capability is one the
+  is one the kernels are tested with (``TRITON_TESTED``), the GPU's compute capability is one the
   kernels were built and checked for (``CAPABILITIES``: the sm_80 and sm_90 builds of
   ``aot.py``) and ``supports`` accepts the call. Where Triton is installed but fails one of
   those checks, or a kernel later fails to build or launch (``KernelError``), the call takes
