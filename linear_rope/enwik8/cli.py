@@ -86,7 +86,8 @@ def build_parser(prog: str | None = None) -> OneLineParser:
                         f"{', '.join(LM_POSITIONS)} (default rope,none)")
     p.add_argument("--seeds", default="0", help="comma list of run seeds (default 0)")
     p.add_argument("--resume", action="store_true",
-                   help="continue runs from their latest checkpoint up to --steps")
+                   help="continue runs from their latest checkpoint up to --steps (a run without one "
+                        "starts from step 0, after a note that names where it looked)")
     p.add_argument("--overwrite", action="store_true",
                    help="delete earlier runs of the same names in --out and start again")
     _add_fields(p.add_argument_group("model (ModelConfig)"), ModelConfig, {"position"}, MODEL_PRESETS)
