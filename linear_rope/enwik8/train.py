@@ -47,9 +47,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..ops.triton.dispatch import check_backend
 from . import data
 from .checkpoint import check_out_dir, latest_checkpoint
-from ..ops.triton.dispatch import check_backend
 from .cli import build_parser, parse_runs
 from .config import ConfigError, TrainConfig
 from .rundir import RunLocks, clear_run_dir, os_error_line
