@@ -37,7 +37,7 @@ fwd+bwd = 3 x fwd (the usual estimate: the backward does two matmuls per forward
 C = 64. Exp, rotation, masking and the prefix sums are not counted, nor the masked half of each
 C^2 block, nor any recomputation in the backward: useful work is what the ratio should judge.
 
-Targets (issue 22): efficiency >= 60% at N = 4096 and >= 50% features in; >= 50% at 1024 and
+Targets: efficiency >= 60% at N = 4096 and >= 50% features in; >= 50% at 1024 and
 >= 60% at 16384 (inside); sdpa / ours >= 2.5 at 4096 and >= 8 at 16384, and the crossover (the
 N where sdpa / ours = 1, interpolated in log N between the measured lengths) <= 1536, each for
 both paths.

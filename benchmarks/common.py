@@ -54,7 +54,7 @@ def setup(quick: bool = False, seed: int = 0) -> None:
     up to 50x slower, and the tests would crawl.
 
     The allocator is glibc's default, as users get it: no ``mallopt`` and no ``MALLOC_*``
-    variables. (Until issue 22 the timings kept freed memory in the heap with ``mallopt``, which
+    variables. (Earlier timings kept freed memory in the heap with ``mallopt``, which
     hid the page faults of fresh memory: 20-30% of the op's time at N = 4096.)
     """
     torch.set_num_threads(1 if quick else threads())

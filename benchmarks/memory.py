@@ -15,8 +15,8 @@ The high-water mark is Linux's VmHWM, the quantity ``ru_maxrss`` is meant to giv
 ``ru_maxrss`` also holds the parent's peak, inherited across fork + exec, which after the
 attention benchmark at N = 64k would hide every smaller peak.
 
-Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; until
-issue 22 they set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
+Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; earlier
+versions set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
 chunks of up to 32 MiB stay in the heap and count in the resident set: the figures are what a
 user's process holds, fragmentation included (performer's many ~26 MiB per-chunk tensors make
 its column vary run to run). Tensors above 32 MiB (all of ours at large N) are mapped either way.
@@ -44,7 +44,7 @@ MODES = ("fwd", "fwd+bwd")
 FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1, modes=("fwd+bwd",),
             skip={("ours_features_in", 65536, "fwd"): "time budget", ("ours_features_in", 65536, "fwd+bwd"): "time budget",
                   ("ours_inside", 65536, "fwd"): "time budget",
-                  ("performer", 4096, "fwd+bwd"): "time budget (101 s and 9.5 GiB in the issue-22 run)"})
+                  ("performer", 4096, "fwd+bwd"): "time budget (101 s and 9.5 GiB when it last ran)"})
 # Quick: fwd+bwd, every impl at N = 64 and ours_inside also at 128 (for the slope), two children
 # at a time (a tiny child is mostly imports and first-call set-up).
 QUICK = dict(ns=(64, 128), slope_min_n=0, jobs=2, modes=("fwd+bwd",),

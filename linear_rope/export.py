@@ -1,5 +1,5 @@
 """``python -m linear_rope.export RUN_DIR OUT_DIR``: a training run's checkpoint as a Hugging Face
-folder (see ``linear_rope/hf/export.py``; needs ``pip install -e ".[hf]"``)."""
+folder (see ``linear_rope/hf/export.py``; needs ``pip install "linear_rope[hf]"``)."""
 import sys
 
 PROG = "python -m linear_rope.export"

@@ -108,9 +108,9 @@ MODEL_PRESETS: dict[str, dict] = {
     # (batch 8 x 256 tokens, train preset "cpu"), so 1,000 steps take about 10 minutes.
     "cpu": dict(dim=128, depth=12, heads=4, dim_head=32, nb_features=64, seq_len=256),
     # 12 layers, narrow enough that a 20M-byte run fits in about an hour on one CPU core: the
-    # preset of the issue-15 ablation (width, batch and lr from a sweep on `none`, see README).
+    # preset of the first ablation (width, batch and lr from a sweep on `none`, results/sweep).
     "cpu20m": dict(dim=64, depth=12, heads=2, dim_head=32, nb_features=32, seq_len=256),
-    # cpu20m's model with issue 24's recipe, chosen on `none` alone (results/recipe_sweep): q and k
+    # cpu20m's model with the headline ablation's recipe, chosen on `none` alone (results/recipe_sweep): q and k
     # normalised with a learned per-head scale before the feature map, no FAVOR+ redraws (and
     # lr 4e-3 in TRAIN_PRESETS).
     "cpu40m": dict(dim=64, depth=12, heads=2, dim_head=32, nb_features=32, seq_len=256, qk_norm=True,

@@ -162,6 +162,8 @@ EARLY = [  # (argv, text in the one error line)
     (["--batch-size", "1000000000"], "batch_size 1000000000 x seq_len 32"),
     (["--eval-batch-size", "1000000000"], "eval_batch_size 1000000000 x seq_len 32"),
     (["--seeds", str(2**64)], "seed must be in [0, 4294967295]"),
+    (["--grad-accum", str(10**17)], "tokens per step is above the sanity cap"),  # drew 10**17 offsets at once
+    (["--threads", "100000"], "threads 100000 is more than 4 per CPU core"),  # thousands of threads failed to start
 ]
 if not torch.cuda.is_available():
     EARLY.append((["--device", "cuda"], "CUDA is not available"))
@@ -270,3 +272,88 @@ def test_enwik8_unreachable_is_one_line_naming_data(tmp_path, capsys, monkeypatc
     assert lines[0].startswith("python -m linear_rope.train: error: could not fetch enwik8 (download of ")
     assert url in lines[0] and "pass --data PATH" in lines[0]
     assert not (tmp_path / "runs").exists() and list((tmp_path / "data").iterdir()) == []
+
+
+# ------------------------------------------------------------------ LINEAR_ROPE_BACKEND at start
+
+REFUSED_BACKENDS = [("garbage", "LINEAR_ROPE_BACKEND='garbage' is not a backend: use one of auto, torch")]
+if not torch.cuda.is_available():  # a CPU run, without the Triton interpreter
+    REFUSED_BACKENDS += [("triton", "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1"),
+                         ("fla", "fla-core's kernels need a CUDA device")]
+
+
+@pytest.mark.parametrize("value, text", REFUSED_BACKENDS)
+def test_a_backend_the_run_cannot_use_fails_first_and_writes_nothing(tmp_path, capsys, monkeypatch, value, text):
+    """A backend the trainer cannot use (an unknown name; triton or fla on a CPU, without the
+    Triton interpreter) is one line and exit 2 before any data is read or any file written."""
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out, data_dir = tmp_path / "runs", tmp_path / "data"
+    (tmp_path / "c.txt").write_bytes(b"abc " * 500)
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--preset", "tiny", "--steps", "1", "--data", str(tmp_path / "c.txt"),
+                    "--data-dir", str(data_dir), "--out", str(out)])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and text in lines[0], lines
+    assert not out.exists() and not data_dir.exists()
+
+
+def test_every_backend_a_cpu_run_can_use_passes_the_start_check(monkeypatch):
+    """auto, torch and every other backend but triton and fla run anywhere; triton runs on the
+    CPU under the Triton interpreter (TRITON_INTERPRET=1, with triton installed)."""
+    from linear_rope.ops.triton.dispatch import BACKENDS, check_backend, triton_available
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in BACKENDS:
+        if name not in ("triton", "fla"):
+            monkeypatch.setenv("LINEAR_ROPE_BACKEND", name.upper())
+            assert check_backend("cpu") == name
+    monkeypatch.delenv("LINEAR_ROPE_BACKEND")
+    assert check_backend("cpu") == "auto"
+    if triton_available():
+        monkeypatch.setenv("LINEAR_ROPE_BACKEND", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert check_backend("cpu") == "triton"
+
+
+def test_a_bad_backend_is_one_line_as_a_process(tmp_path):
+    """As a user meets it: no traceback, exit 2, nothing in --out."""
+    (tmp_path / "c.txt").write_bytes(b"abc " * 500)
+    proc = subprocess.run(TRAIN + ["--preset", "tiny", "--steps", "1", "--data", str(tmp_path / "c.txt"),
+                                   "--out", str(tmp_path / "r"), "--data-dir", str(tmp_path / "d")],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "LINEAR_ROPE_BACKEND": "garbage"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("what", ["summary", "decay", "all", "tables"])
+def test_plots_without_out_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, what):
+    """``python -m linear_rope.plots`` writes only where ``--out`` says: without it, one line and
+    exit 2, and nothing in the caller's folder (no ``results/`` appears there)."""
+    from linear_rope.results import plots
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        plots.main([what, "--runs", "runs"])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{what} needs --out" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--out", "--data", "--data-dir"])
+def test_an_empty_path_is_refused_not_taken_for_the_default(tmp_path, monkeypatch, capsys, flag):
+    """``--out "$OUT"`` with OUT unset wrote into runs/<preset>, ``--data ""`` fetched enwik8:
+    an empty path is one line and exit 2, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.txt").write_bytes(b"abc " * 500)
+    given = {"--out": "o", "--data": "c.txt", "--data-dir": "d", flag: " "}
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--preset", "tiny", "--steps", "1", *(x for kv in given.items() for x in kv)])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"is an empty path; leave {flag} out for its default" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]

@@ -193,3 +193,21 @@ def test_layout_benchmark_smoke(tmp_path):
                                            "fla/features"}
     assert set(r["ratio"]) == set(fla_layout.BASELINE) and all(v > 0 for v in r["ratio"].values())
     assert "load average" in r["load"]["before"] and "load average" in r["load"]["after"]
+
+
+def test_heads_first_input_warns_and_the_docstring_names_the_layout():
+    """[B, H, T, d] has the rank of fla's [B, T, H, d]: where the sequence axis is shorter than
+    the head axis (1 < T < H), as heads-first input usually shows, the call warns, as fla's
+    ops do. One token (decoding) or T >= H is quiet."""
+    import warnings
+
+    assert "`[B, T, H, d]`" in chunk_rotary_linear_attn.__doc__.splitlines()[0]
+    g = torch.Generator().manual_seed(0)
+    heads_first = [torch.rand(1, 2, 5, M, generator=g, **F64) + 0.01 for _ in range(3)]  # [B, H=2, T=5, .]
+    with pytest.warns(UserWarning, match=r"2 tokens and 5 heads \(T < H\).*heads-first"):
+        chunk_rotary_linear_attn(*heads_first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunk_rotary_linear_attn(*(t.transpose(1, 2) for t in heads_first))  # the same tensors in fla's layout
+        for shape in ((1, 1, 8, M), (1, 8, 8, M), (2, T, H, M)):  # decoding one token; T = H; T > H
+            chunk_rotary_linear_attn(*(torch.rand(*shape, generator=g, **F64) + 0.01 for _ in range(3)))

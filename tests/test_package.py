@@ -134,3 +134,33 @@ def test_citation_and_ignored_build_outputs():
         assert f'value: "arXiv:{arxiv}"' in cff and f'title: "{title}"' in cff
     ignored = set((ROOT / ".gitignore").read_text().split())
     assert {"/build/", "/dist/", "*.egg-info/"} <= ignored
+
+
+def test_metadata_names_the_project_urls_and_dev_builds_the_package():
+    """A wheel's metadata links its home, source, issue tracker and docs; ``.[dev]`` has what
+    ``python -m build`` needs."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    project = read_configuration(ROOT / "pyproject.toml")["project"]
+    urls = project["urls"]
+    assert set(urls) == {"Homepage", "Repository", "Issues", "Documentation"}
+    assert all(u.startswith("https://") for u in urls.values())
+    assert any(d.split(">")[0].split("=")[0].strip() == "build" for d in project["optional-dependencies"]["dev"])
+
+
+def test_missing_extras_name_the_install_a_wheel_user_can_run():
+    """Without an extra's packages, the message names ``pip install "linear_rope[<extra>]"``,
+    which works for a wheel install and for a clone alike (not ``pip install -e ".[hf]"``,
+    which needs the clone's folder); no message or docstring in the package says ``-e``."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import linear_rope.hf\nexcept ImportError as e:\n    print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert 'linear_rope.hf needs transformers: pip install "linear_rope[hf]"' in res.stdout, res.stderr[-2000:]
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from linear_rope.results import plots\n"
+            "try:\n    plots._plt()\nexcept plots.ResultsError as e:\n    print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert 'pip install "linear_rope[plot]"' in res.stdout, res.stderr[-2000:]
+    editable = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in (ROOT / "linear_rope").rglob("*.py")
+                for line in p.read_text().splitlines() if "pip install -e" in line]
+    assert not editable, editable

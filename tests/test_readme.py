@@ -113,3 +113,25 @@ def test_relative_links_and_images_resolve():
             if path and not re.match(r"[a-z]+:", path) and not (doc.parent / path).exists():
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+# How the project was made (its issue numbers, the machines and sessions of its development) is
+# no part of what a user reads. Another project's issue (``fla-org/flash-linear-attention PR 826,
+# issue 640``) may be cited.
+MAKING = re.compile(r"(?i)\bissues?[ -]?#?\d+|this project's (?:own )?machine|\bthis task\b|\blent (?:one|a GPU)|"
+                    r"\bsessions?\b|\blast turn\b|\bour (?:dev )?machine")
+
+
+def test_docs_say_nothing_of_how_the_project_was_made():
+    """README.md, docs/ and every results report: no issue number of this project, nothing about
+    the machines or sessions it was developed in (a measurement names its hardware instead)."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in MAKING.finditer(text):
+            before = text[max(0, m.start() - 60):m.start()]
+            if m.group(0).lower().startswith("issue") and re.search(r"[\w.-]+/[\w.-]+ [^()\n]*$", before):
+                continue  # another repository's issue, cited
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(f"{doc.relative_to(ROOT)}:{line}: {m.group(0)}")
+    assert not found, found

@@ -308,3 +308,25 @@ def test_out_of_memory_is_one_line_and_loses_no_checkpoint(tmp_path, corpus, mon
     line = one_error_line(err.strip().splitlines()[-1])
     assert "out of memory (Unable to allocate 246. GiB" in line and "lower --batch-size" in line
     assert [s for s, _ in list_checkpoints(out / "rope-seed0")] == [1, 2]
+
+
+# ------------------------------------------------------------------ --resume with nothing to resume
+
+def test_resume_with_nothing_to_resume_says_so_and_trains(tmp_path, corpus):
+    """--resume where --out holds no checkpoint (a typo in --out, or "resume or start" in a
+    script) says so in one line, naming what it looked for, then trains from step 0 (exit 0);
+    where some runs have a checkpoint, the line names only the others."""
+    out = tmp_path / "typo"
+    code, stdout, err = run_main(argv(corpus, tmp_path, out, 1, "--resume"))
+    assert code == 0 and "rope-seed0" in stdout
+    notes = [line for line in err.splitlines() if "--resume" in line]
+    assert notes == [f"python -m linear_rope.train: note: --resume: no checkpoint (ckpt-<step>.pt) in "
+                     f"{out / 'rope-seed0'}; starting every run from step 0"], err
+    assert latest_step(out / "rope-seed0") == 1
+    code, _, err = run_main(argv(corpus, tmp_path, out, 2, "--resume", "--variants", "rope,none"))
+    assert code == 0 and latest_step(out / "rope-seed0") == 2 and latest_step(out / "none-seed0") == 2
+    notes = [line for line in err.splitlines() if "--resume" in line]
+    assert notes == [f"python -m linear_rope.train: note: --resume: no checkpoint (ckpt-<step>.pt) in "
+                     f"{out / 'none-seed0'}; starting none-seed0 from step 0"], err
+    code, _, err = run_main(argv(corpus, tmp_path, out, 3, "--resume", "--variants", "rope,none"))
+    assert code == 0 and "--resume" not in err  # everything resumed: nothing to say

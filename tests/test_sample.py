@@ -118,6 +118,16 @@ def test_bad_device_or_seed_is_one_line(tmp_path, capsys, argv, text):
     assert text in _fails(capsys, [str(path), "--prompt", "x", *argv])
 
 
+@pytest.mark.parametrize("value", ["garbage", "fla"])
+def test_a_backend_sampling_cannot_use_is_one_line(tmp_path, capsys, monkeypatch, value):
+    if value == "fla" and torch.cuda.is_available():
+        pytest.skip("fla is refused without CUDA only")
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", value)
+    path = tmp_path / "m.pt"
+    save_model(path, forced_byte_model(65))
+    assert "LINEAR_ROPE_BACKEND" in _fails(capsys, [str(path), "--prompt", "x"])
+
+
 def test_a_checkpoint_with_nan_weights_is_refused(tmp_path, capsys):
     model = forced_byte_model(65)
     with torch.no_grad():
@@ -155,3 +165,47 @@ def test_a_temperature_below_float32_samples_greedily(tmp_path, capsys):
         assert sample.main([str(path), "--prompt", "ab", "--max-new-tokens", "12", *extra]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
+
+
+# ------------------------------------------------------------------ linear_rope.load_run
+
+def save_run(run_dir, model: PerformerLM, step: int = 3, digest_of: PerformerLM | None = None):
+    """A run folder's checkpoint as the trainer writes it: content digest and param_sha256."""
+    from linear_rope.enwik8.checkpoint import save_checkpoint
+    from linear_rope.enwik8.runtime import param_digest
+
+    payload = {"model": model.state_dict(), "step": step, "config": {"model": asdict(model.cfg), "train": {}},
+               "param_sha256": param_digest(digest_of or model)}
+    return save_checkpoint(run_dir, step, payload, keep=3)
+
+
+def test_load_run_is_public_and_returns_the_run_s_model(tmp_path):
+    import linear_rope
+
+    assert "load_run" in linear_rope.__all__
+    model = forced_byte_model(66)
+    path = save_run(tmp_path / "rope-seed0", model)
+    for where in (tmp_path / "rope-seed0", path):  # a run folder (its newest checkpoint) or a file
+        got = linear_rope.load_run(where)
+        assert isinstance(got, PerformerLM) and not got.training and got.cfg == model.cfg
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert got.generate(b"x", 3, top_k=1) == b"BBB"
+
+
+def test_load_run_verifies_as_sample_does(tmp_path):
+    """Weights that fail their param_sha256, non-finite weights, a folder without checkpoints:
+    one-line ValueErrors."""
+    import linear_rope
+
+    save_run(tmp_path / "tampered", forced_byte_model(65), digest_of=forced_byte_model(66))
+    with pytest.raises(ValueError, match="weights do not match the param_sha256"):
+        linear_rope.load_run(tmp_path / "tampered")
+    nan = forced_byte_model(65)
+    with torch.no_grad():
+        nan.head.weight[0, 0] = float("nan")
+    save_run(tmp_path / "nan", nan)
+    with pytest.raises(ValueError, match="non-finite weights"):
+        linear_rope.load_run(tmp_path / "nan")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no checkpoint in"):
+        linear_rope.load_run(tmp_path / "empty")

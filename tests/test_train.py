@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from linear_rope.enwik8 import config, data, sample, train, trainer
@@ -80,16 +81,23 @@ def test_summary_table_and_custom_scalars_layout(ablation):
     assert set(rows) == {"rope-seed0", "none-seed0"}
     for step, val, test in rows.values():
         assert step == "4" and 0 < float(val) < 9 and 0 < float(test) < 9
-    ea = EventAccumulator(str(out))
-    ea.Reload()
-    proto = ea.Tensors("custom_scalars__config__")[0].tensor_proto
-    layout = layout_pb2.Layout.FromString(proto.string_val[0])
-    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    # Multiline charts regex over tags; TensorBoard overlays every run that has a match.
-    for tag in ("val/bpc", "train/bpc"):
-        (chart,) = [regexes for title, regexes in charts.items() if title.startswith(tag)]
-        assert any(re.fullmatch(r, tag) for r in chart)
-        assert not any(re.search(r, "test/bpc") for r in chart)
+    # TensorBoard's runs are the folders that hold event files: the runs, and no empty "." run
+    # of --out's own (the layout and the HParams row are written in each run's folder).
+    mux = EventMultiplexer().AddRunsFromDirectory(str(out))
+    mux.Reload()
+    assert set(mux.Runs()) == {"rope-seed0", "none-seed0"}
+    assert not list(out.glob("events.out.tfevents.*"))
+    for run in mux.Runs():
+        ea = EventAccumulator(str(out / run))
+        ea.Reload()
+        proto = ea.Tensors("custom_scalars__config__")[0].tensor_proto
+        layout = layout_pb2.Layout.FromString(proto.string_val[0])
+        charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+        # Multiline charts regex over tags; TensorBoard overlays every run that has a match.
+        for tag in ("val/bpc", "train/bpc"):
+            (chart,) = [regexes for title, regexes in charts.items() if title.startswith(tag)]
+            assert any(re.fullmatch(r, tag) for r in chart)
+            assert not any(re.search(r, "test/bpc") for r in chart)
 
 
 def test_checkpoint_loads_weights_only_and_samples(ablation, capsys):

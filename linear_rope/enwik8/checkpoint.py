@@ -43,8 +43,9 @@ REQUIRED = ("model", "step", "config")
 DIGEST = "content_sha256"  # the key save_checkpoint adds: sha256 of everything else in the file
 
 
-class CheckpointError(Exception):
-    """A checkpoint that cannot or must not be loaded (the CLIs print it and exit 2)."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot or must not be loaded (the CLIs print it and exit 2); a
+    ValueError, as the library's other one-line errors."""
 
 
 def checkpoint_path(run_dir, step: int) -> Path:

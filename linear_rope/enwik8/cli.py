@@ -86,7 +86,8 @@ def build_parser(prog: str | None = None) -> OneLineParser:
                         f"{', '.join(LM_POSITIONS)} (default rope,none)")
     p.add_argument("--seeds", default="0", help="comma list of run seeds (default 0)")
     p.add_argument("--resume", action="store_true",
-                   help="continue runs from their latest checkpoint up to --steps")
+                   help="continue runs from their latest checkpoint up to --steps (a run without one "
+                        "starts from step 0, after a note that names where it looked)")
     p.add_argument("--overwrite", action="store_true",
                    help="delete earlier runs of the same names in --out and start again")
     _add_fields(p.add_argument_group("model (ModelConfig)"), ModelConfig, {"position"}, MODEL_PRESETS)
@@ -154,7 +155,8 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
                 **{f.name: given[f.name] for f in fields(ModelConfig) if f.name in given}}
     train_kw = {**TRAIN_PRESETS[args.preset],
                 **{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given}}
-    train_kw["out"] = train_kw.get("out") or f"runs/{args.preset}"
+    if train_kw.get("out") is None:
+        train_kw["out"] = f"runs/{args.preset}"
     if model_kw["seq_len"] > MAX_SEQ_LEN[args.preset]:
         raise ValueError(f"seq_len {model_kw['seq_len']} is above the {args.preset} preset's maximum "
                          f"{MAX_SEQ_LEN[args.preset]} (16x its training length); use a larger preset")

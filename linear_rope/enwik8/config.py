@@ -3,12 +3,14 @@ checks every run passes before anything is loaded (the command line is in ``cli.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 
 from ..model import MODEL_PRESETS, ModelConfig, PerformerLM, check_field_types
 
 __all__ = ["ConfigError", "TrainConfig", "TRAIN_PRESETS", "RESUMABLE", "MAX_SEQ_LEN", "lr_at",
-           "check_model", "check_run", "resume_diffs", "PRECISIONS", "COMPILE_MODES", "MAX_SEED", "MAX_BATCH_TOKENS"]
+           "check_model", "check_run", "resume_diffs", "PRECISIONS", "COMPILE_MODES", "MAX_SEED", "MAX_BATCH_TOKENS",
+           "MAX_STEP_TOKENS"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -20,6 +22,11 @@ MAX_SEED = 2**32 - 1
 # seq_len): a typo such as --batch-size 1000000000 fails at once instead of asking for terabytes
 # once the data is loaded. 2**24 tokens is 512k sequences of the tiny preset, 16k of paper's.
 MAX_BATCH_TOKENS = 2**24
+# The same for a whole optimizer step on one rank (batch_size x grad_accum x seq_len): its window
+# offsets are drawn at once, so --grad-accum 100000000000000000 asked for exabytes.
+MAX_STEP_TOKENS = 2**30
+# --threads above this many per core is a typo: thousands of threads fail to start.
+MAX_THREADS_PER_CORE = 4
 
 
 class ConfigError(ValueError):
@@ -79,6 +86,9 @@ class TrainConfig:
         for f in ("decay_steps", "threads"):
             if getattr(self, f) is not None and getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1 or None, got {getattr(self, f)}")
+        for f in ("data", "data_dir", "out"):  # "--out $OUT" with OUT unset: not the default folder
+            if getattr(self, f) is not None and not getattr(self, f).strip():
+                raise ValueError(f"{f} is an empty path; leave --{f.replace('_', '-')} out for its default")
 
 
 TRAIN_PRESETS: dict[str, dict] = {
@@ -94,8 +104,8 @@ TRAIN_PRESETS: dict[str, dict] = {
     # about 1.35 steps/s at 1 thread with a second run beside it: 61 min plus evals
     "cpu20m": dict(lr=2e-3, batch_size=16, steps=4900, warmup_steps=100, eval_every=490,
                    eval_batch_size=32, log_every=10),
-    # 9800 steps x 16 x 256 = 40.14M training bytes; issue 24's ablation (--preset cpu20m is the
-    # old recipe). lr 4e-3 with qk_norm: the sweep's best on `none` (results/recipe_sweep). About
+    # 9800 steps x 16 x 256 = 40.14M training bytes; the headline ablation (--preset cpu20m is the
+    # earlier recipe). lr 4e-3 with qk_norm: the sweep's best on `none` (results/recipe_sweep). About
     # 0.75 s/step at 1 thread with a second run beside it: 2 h plus evals.
     "cpu40m": dict(lr=4e-3, batch_size=16, steps=9800, warmup_steps=100, eval_every=490,
                    eval_batch_size=32, log_every=10),
@@ -147,6 +157,14 @@ def check_run(mc: ModelConfig, tc: TrainConfig) -> None:
             raise ValueError(f"{flag} {b} x seq_len {mc.seq_len} = {b * mc.seq_len:,} tokens per batch is "
                              f"above the sanity cap of {MAX_BATCH_TOKENS:,}; use --grad-accum for a larger "
                              f"global batch")
+    step = tc.batch_size * tc.grad_accum * mc.seq_len
+    if step > MAX_STEP_TOKENS:
+        raise ValueError(f"batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x seq_len {mc.seq_len} = {step:,} "
+                         f"tokens per step is above the sanity cap of {MAX_STEP_TOKENS:,}")
+    cores = os.cpu_count() or 1
+    if tc.threads is not None and tc.threads > MAX_THREADS_PER_CORE * cores:
+        raise ValueError(f"threads {tc.threads} is more than {MAX_THREADS_PER_CORE} per CPU core ({cores} cores "
+                         f"here); leave --threads out to use the idle cores")
 
 
 def resume_diffs(old: dict, mc: ModelConfig, tc: TrainConfig) -> list[str]:

@@ -22,6 +22,7 @@ import torch
 from ..model import ModelConfig, PerformerLM
 from .checkpoint import (CheckpointError, load_checkpoint, nonfinite, previous_checkpoint, resolve_checkpoint,
                          verify_params)
+from ..ops.triton.dispatch import check_backend
 from .cli import OneLineParser, check_device
 from .rundir import os_error_line
 
@@ -80,6 +81,8 @@ def _load_verified(path: Path) -> tuple[PerformerLM, dict, Path]:
             model = PerformerLM(cfg)
             verify_params(ckpt, model, path)
             model.load_state_dict(sd)
+        except CheckpointError:
+            raise
         except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as e:
             raise CheckpointError(f"{path} does not match linear_rope's model "
                                   f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
@@ -133,11 +136,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
              "byte (e.g. --prompt $'\\n')")
     if not 0 <= args.seed <= MAX_SEED:
         fail(f"--seed must be in [0, 2**64 - 1], got {args.seed}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
         check_device(args.device)
+        check_backend(device)  # LINEAR_ROPE_BACKEND
     except ValueError as e:
         fail(str(e))
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
         model = load_model(args.checkpoint, device)
     except CheckpointError as e:

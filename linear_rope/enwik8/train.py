@@ -49,10 +49,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.tensorboard import SummaryWriter
 
+from ..ops.triton.dispatch import check_backend
 from . import data
-from .checkpoint import check_out_dir
+from .checkpoint import check_out_dir, latest_checkpoint
 from .cli import build_parser, parse_runs
 from .config import ConfigError, TrainConfig
 from .rundir import RunLocks, clear_run_dir, os_error_line
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     try:  # every check that needs no data, before anything is read or written
         args, runs = parse_runs(parser, argv)
+        check_backend(None if runs[0][2].device == "auto" else runs[0][2].device)  # LINEAR_ROPE_BACKEND
     except (ValueError, TypeError) as e:
         fail(e)
     # One writer per run folder (rank 0 holds the lock for the whole launch), held from before the
@@ -95,8 +96,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             for note in (locks.acquire() if locks else []):
                 print(f"{parser.prog}: note: {note}", file=sys.stderr)
             clear = check_out_dir(runs, args.resume, args.overwrite)
+            fresh = nothing_to_resume(runs) if args.resume and lead else None
         except (ValueError, OSError) as e:
             fail(e)
+        if fresh:  # a typo in --out resumes nothing: say so before training starts
+            print(f"{parser.prog}: note: {fresh}", file=sys.stderr)
         results, dd = _run(runs, clear, args.resume, fail)
         if dd.lead:
             _report(results, Path(runs[0][2].out), argv, prog, dd.world)
@@ -107,6 +111,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if locks:
             locks.release()
     return 0
+
+
+def nothing_to_resume(runs) -> str | None:
+    """For ``--resume``: one line naming what it looked for and did not find (the runs without a
+    checkpoint, which start from step 0), or None when every run has a checkpoint."""
+    out = Path(runs[0][2].out)
+    fresh = [name for name, _, _ in runs if latest_checkpoint(out / name) is None]
+    if not fresh:
+        return None
+    which = "every run" if len(fresh) == len(runs) else ", ".join(fresh)
+    return (f"--resume: no checkpoint (ckpt-<step>.pt) in {', '.join(str(out / n) for n in fresh)}; "
+            f"starting {which} from step 0")
 
 
 def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
@@ -126,7 +142,6 @@ def _run(runs, clear: list[Path], resume: bool, fail) -> tuple[list, Dist]:
                     if kept:
                         print(f"{run_dir.name}: --overwrite kept what a run does not write: "
                               f"{', '.join(kept)}", file=sys.stderr)
-                write_layout(Path(tc0.out))
             if dd.world > 1:
                 dist.barrier()
             for name, mc, tc in runs:
@@ -171,17 +186,6 @@ def _load_data(runs, dd: Dist) -> dict:
 
 def _prepare(tc: TrainConfig) -> dict[str, Path]:
     return data.prepare_corpus(tc.data, tc.data_dir) if tc.data else data.prepare_enwik8(tc.data_dir)
-
-
-def write_layout(out: Path) -> None:
-    """Custom-scalars charts at the experiment root: each chart overlays every run's curve."""
-    if any(out.glob("events.out.tfevents.*")):
-        return
-    layout = {"ablation": {"val/bpc (all runs)": ["Multiline", [r"^val/bpc$"]],
-                           "train/bpc (all runs)": ["Multiline", [r"^train/bpc$"]]}}
-    out.mkdir(parents=True, exist_ok=True)
-    with SummaryWriter(out) as w:
-        w.add_custom_scalars(layout)
 
 
 def _report(results, out: Path, argv: list[str], prog: str, world: int) -> None:

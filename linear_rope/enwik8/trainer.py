@@ -177,6 +177,11 @@ class TrainState:
         self.feature_gen.set_state(rng["features"])
 
 
+# Custom Scalars: each chart overlays every run's curve (TensorBoard merges the runs' layouts).
+LAYOUT = {"ablation": {"val/bpc (all runs)": ["Multiline", [r"^val/bpc$"]],
+                       "train/bpc (all runs)": ["Multiline", [r"^train/bpc$"]]}}
+
+
 class Trainer:
     """One run: ``Trainer(...).resume()`` (optional), then ``.fit()`` -> its result dict."""
 
@@ -479,6 +484,7 @@ class Trainer:
         # purge_step: readers drop events a killed process wrote after the checkpoint we resume
         self.writer = SummaryWriter(self.run_dir, purge_step=st.step + 1)
         self.writer.add_text("config", f"```\n{text}\n```", st.step)
+        self.writer.add_custom_scalars(LAYOUT)  # in every run, so --out's top folder holds no run of its own
         precision = "bf16 autocast" if uses_bf16(dd.device, tc.precision) else "fp32"
         print(f"{self.name}: {self.model.num_params():,} params, steps {st.step} -> {tc.steps}, "
               f"device {dd.device}, {precision}{', compiled' if self.compiled else ''}, "

@@ -1,4 +1,4 @@
-"""Hugging Face integration (``pip install -e ".[hf]"``): every ``PerformerLM`` variant as a
+"""Hugging Face integration (``pip install "linear_rope[hf]"``): every ``PerformerLM`` variant as a
 transformers causal LM, registered with ``AutoConfig``, ``AutoModelForCausalLM`` and
 ``AutoTokenizer`` when this module is imported.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 try:
     import transformers  # noqa: F401
 except ImportError as e:  # one line, with the fix
-    raise ImportError(f"linear_rope.hf needs transformers: pip install -e \".[hf]\" ({e})") from None
+    raise ImportError(f"linear_rope.hf needs transformers: pip install \"linear_rope[hf]\" ({e})") from None
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

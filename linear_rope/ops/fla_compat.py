@@ -10,6 +10,8 @@ q, k and v are transposed into one contiguous copy each, the output back as a vi
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .chunk import rotary_linear_attention
@@ -42,7 +44,12 @@ def chunk_rotary_linear_attn(
     offset: int | torch.Tensor = 0,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
-    """Causal linear attention with RoPE in the numerator only (RoFormer Eq. 19), fla's layout.
+    """Causal Eq. 19 on q, k, v in fla's layout `[B, T, H, d]` (not `[B, H, T, d]`), out `[B, T, H, e]`.
+
+    Causal linear attention with RoPE in the numerator only (RoFormer Eq. 19). A heads-first
+    tensor has the same rank and is not an error in itself, so, as fla's own ops do, a call
+    whose sequence axis is shorter than its head axis (1 < T < H, where heads-first input
+    usually shows) warns: check the layout (``rotary_linear_attention`` takes `[B, H, N, d]`).
 
     Args:
         q, k: `[B, T, H, m]` non-negative features; or, with ``projection``, raw queries and keys
@@ -76,6 +83,9 @@ def chunk_rotary_linear_attn(
         ``LinearAttentionState`` or None.
     """
     qh, kh, vh = _heads_first("q", q), _heads_first("k", k), _heads_first("v", v)
+    if 1 < q.shape[1] < q.shape[2]:
+        warnings.warn(f"chunk_rotary_linear_attn: q has {q.shape[1]} tokens and {q.shape[2]} heads (T < H): were "
+                      f"the inputs passed heads-first, [B, H, T, d]? This op takes fla's [B, T, H, d]", stacklevel=2)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
                               or scale == float("inf")):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")

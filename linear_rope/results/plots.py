@@ -1,4 +1,4 @@
-"""Results tables and figures from finished runs (matplotlib: ``pip install -e ".[plot]"``).
+"""Results tables and figures from finished runs (matplotlib: ``pip install "linear_rope[plot]"``).
 
     python -m linear_rope.plots decay --out results            # RoFormer Fig. 2, d=64 and m=266
     python -m linear_rope.plots all --runs runs/results \\
@@ -12,7 +12,9 @@ windows L, 2L, 4L, 8L), ``decay``, ``summary`` (``summary.json`` and the val-BPC
 figure with mean +- std bands) and ``tables`` (the markdown tables of the reports in ``results/<folder>/``,
 printed). ``headline`` prints the top-level README's one table, and ``fill`` (from the repository
 root) rewrites every tables block of the README and the results reports from their folders'
-summary.json. Every figure is drawn from the CSV / JSON written beside it.
+summary.json. Every figure is drawn from the CSV / JSON written beside it. ``--out`` has no
+default: every command but ``fill`` writes to (or, ``tables`` and ``headline``, reads from)
+the folder it names, and nothing else.
 """
 from __future__ import annotations
 
@@ -42,11 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
                    help="the corpus the runs trained on (for test windows)")
     p.add_argument("--data-dir", default="data", help="split cache dir (default data)")
-    p.add_argument("--out", default="results", help="where CSV/JSON/PNG files go (default results)")
+    p.add_argument("--out", default=None, help="the folder the CSV/JSON/PNG files go to; for tables and headline, the "
+                   "folder whose summary.json they read (required, except for fill)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
-    out, runs = Path(args.out), Path(args.runs)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.out is None and args.what != "fill":  # never a default folder: nothing lands where it was not asked
+        p.error(f"{args.what} needs --out: the folder its files go to (tables, headline: the folder of the "
+                f"summary.json to read), e.g. --out {args.runs}/plots")
+    out, runs = Path(args.out or "."), Path(args.runs)
+    if args.what not in ("tables", "headline", "fill"):
+        out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.what not in ("decay", "summary", "tables", "headline", "fill") and not runs.is_dir():

@@ -31,7 +31,7 @@ def _plt():
     try:
         import matplotlib
     except ImportError:
-        raise ResultsError('matplotlib is not installed; pip install -e ".[plot]"') from None
+        raise ResultsError('matplotlib is not installed: pip install "linear_rope[plot]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

@@ -131,7 +131,7 @@ def _max_rise(curve: list[tuple[int, float]]) -> float:
     return max([b - a for (_, a), (_, b) in zip(curve, curve[1:])] + [0.0])
 
 
-TARGET_VAL_BPC = 2.0  # issue 24's target for the best linear variant (mean of 3 seeds)
+TARGET_VAL_BPC = 2.0  # the target val BPC for the best linear variant (mean of 3 seeds)
 PAIRS = (("rope", "rope_pre"), ("rope_norm", "rope_pre"), ("none", "rope_pre"),
          ("rope", "none"), ("rope_pre", "none"), ("rope_norm", "none"))
 

@@ -7,7 +7,7 @@ variable, else ``"auto"``.
 
 * ``auto`` takes the kernels for CUDA tensors of at most ``AUTO_KERNEL_ROWS`` query rows (B * H * N:
   above that a GPU measured the torch path faster) where they can run: Triton imports, its version
-  is one this project tested (``TRITON_TESTED``), the GPU's compute capability is one the
+  is one the kernels are tested with (``TRITON_TESTED``), the GPU's compute capability is one the
   kernels were built and checked for (``CAPABILITIES``: the sm_80 and sm_90 builds of
   ``aot.py``) and ``supports`` accepts the call. Where Triton is installed but fails one of
   those checks, or a kernel later fails to build or launch (``KernelError``), the call takes
@@ -37,7 +37,7 @@ import torch
 __all__ = ["AUTO_KERNEL_ROWS", "BACKENDS", "BF16_TENSOR_CORES", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES",
            "MAX_HEAD_DIM", "TRITON_TESTED", "KernelError", "record_paths", "dispatch_configs", "fallback",
            "fallbacks", "kernel_status", "pick_config", "should_use_triton", "supports", "triton_available",
-           "use_backend"]
+           "use_backend", "check_backend"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "triton", "fla")
@@ -309,3 +309,33 @@ def should_use_triton(q, k, v, *, force: str | None = None, **kwargs) -> bool:
     if _RECORDERS:
         record(path)
     return use
+
+
+def check_backend(device: torch.device | str | None = None) -> str:
+    """The backend ``LINEAR_ROPE_BACKEND`` names (as ``backend()`` reads it), checked once at a
+    program's start for work on ``device`` (None: CUDA if available, else the CPU); ValueError,
+    one line, for a value that run could not use: a name the op does not know, ``triton``
+    without a CUDA device or ``TRITON_INTERPRET=1``, or where Triton cannot run the kernels
+    (not installed, too old), ``fla`` without a CUDA device or fla-core. Every other backend
+    runs on any device."""
+    try:
+        name = backend()
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r} is not a backend: use one of "
+                         f"{', '.join(BACKENDS)}, or unset it") from None
+    dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    where = f"this run is on {dev.type}"
+    if name == "triton":
+        if dev.type != "cuda" and not _interpreting():
+            raise ValueError(f"{ENV_VAR}=triton: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 "
+                             f"on the CPU) and {where}; unset {ENV_VAR} or set it to auto or torch")
+        ok, why = kernel_status(dev if dev.type == "cuda" else None, forced=True)
+        if not ok:
+            raise ValueError(f"{ENV_VAR}=triton: {why}")
+    elif name == "fla":
+        if dev.type != "cuda":
+            raise ValueError(f"{ENV_VAR}=fla: fla-core's kernels need a CUDA device and {where}; unset {ENV_VAR} "
+                             f"or set it to auto or torch")
+        if importlib.util.find_spec("fla") is None:
+            raise ValueError(f"{ENV_VAR}=fla: fla-core is not installed (pip install 'linear_rope[fla]')")
+    return name
