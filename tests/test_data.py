@@ -288,6 +288,12 @@ def test_cache_dir_is_never_the_working_directory_unless_asked(tmp_path, monkeyp
     assert data.prepare_corpus(tmp_path / "c.txt")["train"].parent.parent == tmp_path / "mine"
 
 
+def test_prepare_corpus_without_a_path_is_enwik8(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(data, "prepare_enwik8", lambda data_dir=None: calls.append(data_dir) or {})
+    assert data.prepare_corpus(None, tmp_path) == {} and calls == [tmp_path]
+
+
 def test_the_plain_command_downloads_enwik8_once_into_the_cache(tmp_path, server, monkeypatch):
     """The README's first run, as a fresh machine runs it (no --data, no --data-dir, from any
     folder): enwik8 is fetched into the cache, checked, split and trained on; the folder the

@@ -269,12 +269,15 @@ def prepare_enwik8(data_dir=None, *, source=None, url: str = ENWIK8_URL,
 
 
 def prepare_corpus(path, data_dir=None) -> dict[str, Path]:
-    """Split any byte corpus 90/5/5 (no checksum) and return the ``.bin`` paths.
+    """Split any byte corpus 90/5/5 (no checksum) and return the ``.bin`` paths; ``path`` None:
+    enwik8's (:func:`prepare_enwik8`), as ``--data`` not given means.
 
     Files are cached under ``data_dir/<stem>-<sha256[:10]>/`` (``data_dir`` None:
     :func:`cache_dir`) where the hash is of the decompressed bytes, so a changed corpus never
     reuses stale splits.
     """
+    if path is None:
+        return prepare_enwik8(data_dir)
     raw = read_corpus(path)
     sizes = split_sizes(len(raw))
     tag = hashlib.sha256(raw).hexdigest()[:10]
