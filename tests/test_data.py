@@ -500,3 +500,10 @@ def test_eval_batches_cover_every_byte_once(n, seq_len, batch_size):
 def test_eval_batches_on_memmap(split_file):
     batches = list(data.eval_batches(split_file, 100, 4))
     assert [tuple(y.shape) for _, y in batches] == [(4, 100), (4, 100), (1, 100), (1, 99)]
+
+
+def test_no_test_reads_a_folder_beside_the_checkout():
+    """The tests pass in a fresh clone anywhere: none of them names the data folder that this
+    project's own machines keep beside the checkout (real text comes from fixtures/wikitext.py)."""
+    needle = "shared" + "/data"
+    assert [p.name for p in Path(__file__).parent.rglob("*.py") if needle in p.read_text()] == []
