@@ -484,6 +484,9 @@ def test_bf16_targets_fail_a_build_that_breaks_them():
     assert bf16_misses(dict(good, variant="default", instructions={"wgmma.tf32": 8})) == []  # TF32x3 bf16 default
     assert bf16_misses({k: v for k, v in good.items() if k != "triton"}) == []  # no release named: the pin's targets
     assert bf16_misses({k: v for k, v in dict(good, spill_store_bytes=4).items() if k != "triton"}) != []
+    newer = dict(good, triton="3.9.0", spill_store_bytes=BF16_SPILLS_BY_TRITON["3.9.0"][("sm_90", "_out_kernel", True)])
+    assert bf16_misses(newer) == [] and bf16_misses(dict(newer, triton="3.6.0")) != []  # its own record
+    assert bf16_misses(dict(newer, spill_store_bytes=newer["spill_store_bytes"] + 4)) != []
     unrecorded = dict(good, triton="99.0.0", spill_store_bytes=800, blocks_per_sm=1, instructions={"mma.tf32": 8})
     assert bf16_misses(unrecorded) == []  # built and reported, not judged
     assert bf16_misses(dict(unrecorded, ok=False, error="out of resources")) == ["out of resources"]
