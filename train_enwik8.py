@@ -1,6 +1,7 @@
 """Enwik8 ablation: RoPE vs no position in a byte-level Performer LM (see linear_rope/enwik8/train.py).
 
-    python train_enwik8.py --preset tiny --steps 200 --data ../shared/data/enwiki-sample.xml.bz2 --out runs/first
+    python train_enwik8.py --preset tiny --steps 200 --out runs/first      # enwik8, downloaded once into the cache
+    python train_enwik8.py --preset tiny --steps 200 --data PATH --out runs/first   # offline: a corpus you have
 """
 import sys
 

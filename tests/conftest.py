@@ -2,9 +2,11 @@
 filled with NaN for the whole test run (see ``poison_uninitialised``)."""
 from __future__ import annotations
 
-import bz2
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import SAMPLE  # noqa: E402
+from fixtures.wikitext import wiki_text  # noqa: E402
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,11 @@ def poison_uninitialised() -> None:
 
 poison_uninitialised()
 
+# A run without --data-dir caches its splits in $LINEAR_ROPE_CACHE (else ~/.cache/linear_rope):
+# the tests' own folder, for this process and every subprocess, never the user's cache.
+os.environ["LINEAR_ROPE_CACHE"] = tempfile.mkdtemp(prefix="linear_rope_test_cache.")
+atexit.register(shutil.rmtree, os.environ["LINEAR_ROPE_CACHE"], ignore_errors=True)
+
 # In-process training runs keep the test process's threads (no idle-core probe at every start;
 # runtime.choose_threads is tested on its own). Subprocesses get the same from helpers.ENV.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -84,11 +91,8 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """64 KB of the shared sample, or synthetic text without it."""
+    """64 KB of generated Wikipedia-like text (tests/fixtures/wikitext.py): the same bytes on
+    every machine, no file from outside the checkout."""
     path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    if SAMPLE.is_file():
-        with bz2.open(SAMPLE, "rb") as f:
-            path.write_bytes(f.read(1 << 16))
-    else:
-        path.write_bytes(b"the rotary linear attention of a performer language model\n" * 1200)
+    path.write_bytes(wiki_text(1 << 16))
     return path

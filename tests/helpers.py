@@ -1,4 +1,4 @@
-"""Shared test helpers: the 64 KB training corpus, in-process CLI runs, event-file readers."""
+"""Shared test helpers: in-process CLI runs, event-file readers (the training corpus: conftest.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +17,6 @@ from linear_rope.enwik8 import train
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = [sys.executable, str(ROOT / "train_enwik8.py")]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-SAMPLE = ROOT.parent / "shared/data/enwiki-sample.xml.bz2"
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:

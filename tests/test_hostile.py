@@ -31,6 +31,8 @@ def world(tmp_path_factory, corpus):
     """A workspace holding a finished tiny run in runs/, a corpus, archives and a fake enwik8."""
     root = tmp_path_factory.mktemp("hostile")
     raw = corpus.read_bytes()
+    for pack in (gzip.compress, bz2.compress):  # text, not a repeated line: a cut at 5000 B cuts
+        assert len(pack(raw)) > 10_000, pack     # (one repeated sentence packs into 199 B of bz2)
     (root / "corpus.txt").write_bytes(raw)
     (root / "short.txt").write_bytes(raw[:400])
     (root / "trunc.gz").write_bytes(gzip.compress(raw)[:5000])

@@ -1,6 +1,7 @@
 """End-to-end tests of linear_rope.enwik8 (train, trainer): runs, TensorBoard tags, checkpoints, resume, seeding."""
 from __future__ import annotations
 
+import bz2
 import contextlib
 import io
 import json
@@ -20,7 +21,6 @@ from linear_rope.enwik8 import config, data, sample, train, trainer
 from linear_rope.enwik8.checkpoint import latest_checkpoint
 from linear_rope.model import MODEL_PRESETS, ModelConfig
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared/data/enwiki-sample.xml.bz2"
 TAGS = {"train/loss", "train/bpc", "val/bpc", "lr", "perf/tokens_per_sec", "grad/norm", "test/bpc"}
 
 
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 @pytest.fixture(scope="module")
 def small_corpus(corpus) -> Path:
-    """64 KB cut from the shared sample (val and test: 3.2 KB each), or synthetic text without it."""
+    """64 KB of generated Wikipedia-like text (val and test: 3.2 KB each; conftest.py)."""
     return corpus
 
 
@@ -205,14 +205,18 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, small_corpus, capsys):
     assert len(err.strip().splitlines()) == 1 and "lr" in err
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason=f"shared sample not found at {SAMPLE}")
-def test_on_the_shared_sample(tmp_path):
-    """One real run on the shared Wikipedia sample: full-split val and test BPC (304 KB each)."""
+def test_on_a_bz2_text_archive(tmp_path):
+    """One run on a 400 KB Wikipedia-like .bz2 (tests/fixtures/wikitext.py): full-split val and
+    test BPC (20 KB each)."""
+    from fixtures.wikitext import wiki_text
+
+    archive = tmp_path / "wiki-like.xml.bz2"
+    archive.write_bytes(bz2.compress(wiki_text(400_000)))
     stdout = run_main(["--preset", "tiny", "--variants", "rope", "--steps", "2",
-                       "--eval-every", "0", "--eval-batch-size", "1024", "--data", str(SAMPLE),
+                       "--eval-every", "0", "--eval-batch-size", "1024", "--data", str(archive),
                        "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "runs")])
-    splits = data.prepare_corpus(SAMPLE, tmp_path / "data")
-    assert splits["valid"].stat().st_size == 304_487
+    splits = data.prepare_corpus(archive, tmp_path / "data")
+    assert splits["valid"].stat().st_size == 20_000
     ckpt = torch.load(latest_checkpoint(tmp_path / "runs/rope-seed0"), weights_only=True)
     val, test = ckpt["metrics"]["val_bpc"], ckpt["metrics"]["test_bpc"]
     assert 7 < val < 8.5 and 7 < test < 8.5  # ~log2(256) = 8 after 2 steps

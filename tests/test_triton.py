@@ -426,7 +426,9 @@ def test_aot_builds(aot_jobs):
     SM's per-block shared memory; the report names the matrix instructions of each build; the
     bf16 builds of the chunk-parallel kernels meet ``aot.BF16_TARGETS`` (2 blocks per SM, bf16
     tensor cores only, no spills: every sm_90 build) or, on sm_80, spill no more than
-    ``aot.BF16_SPILLS`` records (four builds, 4-40 B: a ratchet)."""
+    ``aot.BF16_SPILLS`` records (four builds, 4-40 B: a ratchet). The targets are Triton 3.6.0's
+    (the pin); another release is judged by its own record in ``aot.BF16_SPILLS_BY_TRITON``, or,
+    without one, only built and reported."""
     from linear_rope.ops.triton.aot import ARCHS, KERNELS, SM_LIMITS, TC, bf16_misses, selected, variants
 
     rows = []
@@ -456,11 +458,13 @@ def test_aot_builds(aot_jobs):
 def test_bf16_targets_fail_a_build_that_breaks_them():
     """``aot.bf16_misses`` (what ``test_aot_builds`` asserts per build) names each broken target:
     fewer blocks per SM, no bf16 tensor cores (or no wgmma for the 64-row kernels on sm_90), TF32
-    instructions, more spills than recorded; other dtypes and the stabiliser are not judged."""
-    from linear_rope.ops.triton.aot import BF16_SPILLS, bf16_misses
+    instructions, more spills than recorded for the Triton release that built it; other dtypes,
+    the stabiliser and a release with no record are not judged (a build that failed still is)."""
+    from linear_rope.ops.triton.aot import BF16_SPILLS, BF16_SPILLS_BY_TRITON, PINNED_TRITON, bf16_misses
 
+    assert BF16_SPILLS is BF16_SPILLS_BY_TRITON[PINNED_TRITON] and PINNED_TRITON == "3.6.0"
     good = dict(kernel="_out_kernel", dtype="bfloat16", variant="bf16_tensor_cores", favor=True, arch="sm_90",
-                ok=True, shared_bytes=1,
+                triton="3.6.0", ok=True, shared_bytes=1,
                 blocks_per_sm=2, spill_store_bytes=0,
                 instructions={"wgmma.bf16": 8})
     assert bf16_misses(good) == []
@@ -478,6 +482,14 @@ def test_bf16_targets_fail_a_build_that_breaks_them():
     assert bf16_misses(dict(ampere, spill_store_bytes=ampere["spill_store_bytes"] + 4)) != []
     assert bf16_misses(dict(good, dtype="float32", blocks_per_sm=1)) == []
     assert bf16_misses(dict(good, variant="default", instructions={"wgmma.tf32": 8})) == []  # TF32x3 bf16 default
+    assert bf16_misses({k: v for k, v in good.items() if k != "triton"}) == []  # no release named: the pin's targets
+    assert bf16_misses({k: v for k, v in dict(good, spill_store_bytes=4).items() if k != "triton"}) != []
+    newer = dict(good, triton="3.9.0", spill_store_bytes=BF16_SPILLS_BY_TRITON["3.9.0"][("sm_90", "_out_kernel", True)])
+    assert bf16_misses(newer) == [] and bf16_misses(dict(newer, triton="3.6.0")) != []  # its own record
+    assert bf16_misses(dict(newer, spill_store_bytes=newer["spill_store_bytes"] + 4)) != []
+    unrecorded = dict(good, triton="99.0.0", spill_store_bytes=800, blocks_per_sm=1, instructions={"mma.tf32": 8})
+    assert bf16_misses(unrecorded) == []  # built and reported, not judged
+    assert bf16_misses(dict(unrecorded, ok=False, error="out of resources")) == ["out of resources"]
     assert bf16_misses(dict(good, kernel="_qmax_kernel", instructions={"wgmma.tf32": 1})) == []
 
 

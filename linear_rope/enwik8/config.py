@@ -51,7 +51,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept per run (older ones are deleted)
     seed: int = 0  # init, data order and redraws (set per run by --seeds)
     data: str | None = None  # any byte corpus (.bz2/.gz/.xz/.zip/raw); None: enwik8
-    data_dir: str = "data"  # where the splits (and enwik8.zip) are cached
+    data_dir: str | None = None  # where the splits (and enwik8.zip) are cached (None: $LINEAR_ROPE_CACHE, else $XDG_CACHE_HOME/linear_rope, else ~/.cache/linear_rope)
     out: str | None = None  # experiment dir, one subdir per run (None: runs/<preset>)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
     compile: bool | None = None  # model.compile(fullgraph=True) in place (None: on for CUDA, off for CPU; on CPU it needs a C++ compiler, else it trains eagerly and says so)

@@ -1,9 +1,12 @@
 """Byte-level data: enwik8 download/verify/split, any other corpus, batches, eval windows.
 
-Data lands on disk as three flat ``uint8`` files per corpus (nanoGPT style)::
+Data lands on disk as three flat ``uint8`` files per corpus (nanoGPT style), in a cache folder
+that is never the working directory unless asked (:func:`cache_dir`: ``$LINEAR_ROPE_CACHE``, else
+``$XDG_CACHE_HOME/linear_rope``, else ``~/.cache/linear_rope``; ``--data-dir`` picks another)::
 
-    data/enwik8/{train,valid,test}.bin            # 90M / 5M / 5M bytes
-    data/<stem>-<sha256[:10]>/{train,valid,test}.bin
+    <cache>/enwik8.zip                             # the download, kept: it is fetched once
+    <cache>/enwik8/{train,valid,test}.bin          # 90M / 5M / 5M bytes
+    <cache>/<stem>-<sha256[:10]>/{train,valid,test}.bin
 
 and is read back with :func:`load_split` as a read-only ``np.memmap``. Training draws
 random crops with :func:`get_batch` from a dedicated ``torch.Generator``; evaluation walks
@@ -21,6 +24,7 @@ import gzip
 import hashlib
 import http.client
 import lzma
+import os
 import re
 import sys
 import urllib.error
@@ -37,7 +41,7 @@ import torch
 from .files import atomic_write
 
 __all__ = [
-    "ENWIK8_URL", "ENWIK8_SIZE", "ENWIK8_MD5", "SPLITS", "DataError",
+    "ENWIK8_URL", "ENWIK8_SIZE", "ENWIK8_MD5", "SPLITS", "CACHE_ENV", "DataError", "cache_dir",
     "read_corpus", "download", "verify_bytes", "split_sizes", "split_bytes",
     "prepare_enwik8", "prepare_corpus", "load_split", "draw_starts", "crops", "get_batch",
     "eval_batches",
@@ -48,6 +52,7 @@ ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 ENWIK8_SIZE = 100_000_000
 ENWIK8_MD5 = "a1fa5ffddb56f4953e226637dabbb36a"  # of the decompressed 100 MB file
 SPLITS = ("train", "valid", "test")
+CACHE_ENV = "LINEAR_ROPE_CACHE"  # the cache folder, if set (else the XDG one)
 FRACTIONS = (0.9, 0.05, 0.05)
 MIN_SPLIT_BYTES = 2  # a split needs at least one (input, target) pair
 
@@ -57,6 +62,21 @@ _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 
 class DataError(Exception):
     """Clear, one-line, user-facing error (the CLI prints it and exits 2)."""
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def cache_dir() -> Path:
+    """Where downloads and splits are cached when no folder is given: ``$LINEAR_ROPE_CACHE`` if
+    set, else ``$XDG_CACHE_HOME/linear_rope`` (an absolute ``XDG_CACHE_HOME`` only, as the XDG
+    spec says), else ``~/.cache/linear_rope``. Never the working directory unless one of these
+    names it."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "linear_rope"
 
 
 # --------------------------------------------------------------------------- reading
@@ -207,10 +227,11 @@ def split_bytes(raw: bytes, fractions=FRACTIONS) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- preparing
 
 
-def prepare_enwik8(data_dir="data", *, source=None, url: str = ENWIK8_URL,
+def prepare_enwik8(data_dir=None, *, source=None, url: str = ENWIK8_URL,
                    md5: str | None = ENWIK8_MD5, size: int | None = ENWIK8_SIZE,
                    ) -> dict[str, Path]:
-    """Make ``data_dir/enwik8/{train,valid,test}.bin`` (90M/5M/5M) and return their paths.
+    """Make ``data_dir/enwik8/{train,valid,test}.bin`` (90M/5M/5M) and return their paths
+    (``data_dir`` None: :func:`cache_dir`).
 
     A complete set of ``.bin`` files with the expected sizes is reused. Otherwise the raw
     bytes come from ``source`` (a local .zip/.gz/.bz2/raw file) if given, else from
@@ -219,7 +240,7 @@ def prepare_enwik8(data_dir="data", *, source=None, url: str = ENWIK8_URL,
     ``md5`` (of the raw 100 MB file); if not, no ``.bin`` file is written and a zip
     downloaded by this call is deleted again.
     """
-    data_dir = Path(data_dir)
+    data_dir = cache_dir() if data_dir is None else Path(data_dir)
     out_dir = data_dir / "enwik8"
     paths = _split_paths(out_dir)
     if _complete(paths, None if size is None else split_sizes(size)):
@@ -247,16 +268,21 @@ def prepare_enwik8(data_dir="data", *, source=None, url: str = ENWIK8_URL,
     return paths
 
 
-def prepare_corpus(path, data_dir="data") -> dict[str, Path]:
-    """Split any byte corpus 90/5/5 (no checksum) and return the ``.bin`` paths.
+def prepare_corpus(path, data_dir=None) -> dict[str, Path]:
+    """Split any byte corpus 90/5/5 (no checksum) and return the ``.bin`` paths; ``path`` None:
+    enwik8's (:func:`prepare_enwik8`), as ``--data`` not given means.
 
-    Files are cached under ``data_dir/<stem>-<sha256[:10]>/`` where the hash is of the
-    decompressed bytes, so a changed corpus never reuses stale splits.
+    Files are cached under ``data_dir/<stem>-<sha256[:10]>/`` (``data_dir`` None:
+    :func:`cache_dir`) where the hash is of the decompressed bytes, so a changed corpus never
+    reuses stale splits.
     """
+    if path is None:
+        return prepare_enwik8(data_dir)
     raw = read_corpus(path)
     sizes = split_sizes(len(raw))
     tag = hashlib.sha256(raw).hexdigest()[:10]
-    paths = _split_paths(Path(data_dir) / f"{_safe_stem(path)}-{tag}")
+    data_dir = cache_dir() if data_dir is None else Path(data_dir)
+    paths = _split_paths(data_dir / f"{_safe_stem(path)}-{tag}")
     if not _complete(paths, sizes):
         _write_splits(paths, split_bytes(raw))
     return paths

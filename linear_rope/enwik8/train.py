@@ -2,20 +2,21 @@
 
 Commands, from the repository root::
 
-    # a first run on the shared Wikipedia sample (about a minute on 2 CPU cores)
-    python train_enwik8.py --preset tiny --steps 200 --data ../shared/data/enwiki-sample.xml.bz2 --out runs/first
+    # a first run: enwik8 is downloaded once (checked by md5) into ~/.cache/linear_rope
+    # ($LINEAR_ROPE_CACHE or --data-dir elsewhere), then the two tiny models train on it
+    python train_enwik8.py --preset tiny --steps 200 --out runs/first
+    # offline: any byte corpus you have (enwik8.zip, a Wikipedia dump excerpt, ...)
+    python train_enwik8.py --preset tiny --steps 200 --data enwiki-sample.xml.bz2 --out runs/first
     # the CPU-scale ablation, RoPE against no position, two seeds
-    python -m linear_rope.train --preset cpu --variants rope,none --seeds 0,1 \\
-        --data ../shared/data/enwiki-sample.xml.bz2 --out runs/cpu
-    # the paper's setting (RoFormer section 4.4) on enwik8 (downloaded into --data-dir) on one GPU:
+    python -m linear_rope.train --preset cpu --variants rope,none --seeds 0,1 --out runs/cpu
+    # the paper's setting (RoFormer section 4.4) on enwik8 on one GPU:
     # global batch 128 = --batch-size 32 x --grad-accum 4, bf16 autocast (the CUDA default)
     python -m linear_rope.train --preset paper --batch-size 32 --grad-accum 4 --compile --out runs/paper
     # ... on 8 GPUs: global batch 128 = --batch-size 16 per rank x 8 ranks
     torchrun --standalone --nproc_per_node=8 -m linear_rope.train --preset paper --batch-size 16 \\
         --compile --out runs/paper
     # DDP on CPU (gloo): global batch = batch_size * grad_accum * ranks
-    torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 \\
-        --data ../shared/data/enwiki-sample.xml.bz2 --out runs/ddp
+    torchrun --standalone --nproc_per_node=2 train_enwik8.py --preset tiny --steps 30 --out runs/ddp
     # continue a finished or interrupted run to more steps, in the same log dirs
     python -m linear_rope.train --preset cpu --out runs/cpu --resume --steps 4000
     tensorboard --logdir runs/cpu

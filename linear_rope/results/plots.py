@@ -2,7 +2,7 @@
 
     python -m linear_rope.plots decay --out results            # RoFormer Fig. 2, d=64 and m=266
     python -m linear_rope.plots all --runs runs/results \\
-        --data ../shared/data/enwiki-sample.xml.bz2 --out results
+        --data enwiki-sample.xml.bz2 --out results
 
 ``all`` runs, in order: ``export`` (each run's TensorBoard scalars to ``curves/<run>.csv``),
 ``extrapolate`` (test BPC of every final model at windows L, 2L, 4L, 8L), ``attention`` (the
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["all", "export", "extrapolate", "attention", "rowsums", "decay",
                                     "summary", "tables", "headline", "fill"])
     p.add_argument("--runs", default="runs/results", help="experiment dir of <variant>-seed<k> runs")
-    p.add_argument("--data", default="../shared/data/enwiki-sample.xml.bz2",
-                   help="the corpus the runs trained on (for test windows)")
+    p.add_argument("--data", default=None,
+                   help="the corpus the runs trained on (for test windows; default: enwik8, as in training)")
     p.add_argument("--data-dir", default="data", help="split cache dir (default data)")
     p.add_argument("--out", default=None, help="the folder the CSV/JSON/PNG files go to; for tables and headline, the "
                    "folder whose summary.json they read (required, except for fill)")
