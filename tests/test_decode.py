@@ -100,8 +100,8 @@ def test_a_decoder_step_has_no_sync_and_few_launches(kw):
         counts.append(c["launches"])
     if kw["position"] != "softmax":  # (the anchor's key/value cache has max_len slots)
         assert counts[0] == counts[1]
-    before = count_dispatch(lambda: model.step(tok, [None] * 3, 5))
-    assert before["syncs"] > 0  # the functional step does read values: the counter sees them
+    read = count_dispatch(lambda: bool(tok.sum() > 0))  # the counter sees a value read into Python
+    assert read["syncs"] + read["host"] > 0
 
 
 def test_the_counter_sees_syncs_host_reads_and_copies():
