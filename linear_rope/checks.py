@@ -21,7 +21,9 @@ import os
 
 import torch
 
-__all__ = ["debug_checks", "CHECKS_ENV", "values", "in_transform", "is_transformed", "is_compiling", "is_static", "require", "check_flag",
+ID_DTYPES = (torch.long, torch.int32, torch.uint8)  # token ids (a bool tensor is not one)
+
+__all__ = ["ID_DTYPES", "debug_checks", "CHECKS_ENV", "values", "in_transform", "is_transformed", "is_compiling", "is_static", "require", "check_flag",
            "check_base"]
 
 

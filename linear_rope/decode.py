@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import ROW_SUM_FLOOR
+from .checks import ID_DTYPES
 from .features import key_exponent_floor, pair_shift
 from .ops import LinearAttentionState
 from .rotary import check_offset, rotary_tables, table_dtype
@@ -161,8 +162,6 @@ class Decoder:
     # -- filling the state ---------------------------------------------------------------------
 
     def _check_ids(self, ids: torch.Tensor, name: str, dims: int) -> None:
-        from .model import ID_DTYPES
-
         if not isinstance(ids, torch.Tensor) or ids.dim() != dims or ids.dtype not in ID_DTYPES \
                 or ids.shape[0] != self.B or (dims == 2 and ids.shape[1] == 0):
             want = f"[B={self.B}, N >= 1]" if dims == 2 else f"[B={self.B}]"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .attention import RotaryLinearAttention
-from .checks import debug_checks, is_static
+from .checks import ID_DTYPES, debug_checks, is_static
 from .decode import Decoder, check_temperature, sample_next  # noqa: F401 (re-exported)
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState
@@ -24,7 +24,6 @@ __all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
 # The ablation's variants: where position information enters the model. ``softmax`` is the
 # anchor: exact causal softmax attention with RoPE on q and k (``SoftmaxAttention``).
 LM_POSITIONS = ("rope", "rope_pre", "rope_norm", "absolute", "none", "softmax")
-ID_DTYPES = (torch.long, torch.int32, torch.uint8)  # token ids (a bool tensor is not one)
 
 
 @dataclass
