@@ -40,16 +40,18 @@ Inside, everything is float32 or wider with autocast off; the result has v's dty
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from ..checks import is_compiling, is_transformed
-from .triton.dispatch import ENV_VAR, KernelError, backend, fallback, record, should_use_triton
-from ..rotary import rotary_tables, rotate_with_tables, table_dtype
+from .triton.dispatch import ENV_VAR, KernelError, backend, fallback, record, should_use_triton, takes_parallel
+from ..rotary import rotate_with_tables
 from .chunk_op import chunk_causal
 from .composite import composite_causal, features
+from .parallel import PACKED_REASON, checks_enabled, compute_dtypes, parallel_causal, rope_tables, segment_tokens
 from .layout import OpConfig
 from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
@@ -73,15 +75,17 @@ def _causal(q, k, v, w, a, cfg: OpConfig):
     return out, S, z
 
 
+def _parallel(q, k, v, w, a, cfg: OpConfig, C: int, lowp, segment: int):
+    """The chunk-parallel path (``parallel.py``) on the checked arguments."""
+    return parallel_causal(q, k, v, w, a, C, cfg.rotary, cfg.offset, cfg.base, lowp=lowp, segment=segment)
+
+
 def _bidirectional(q, k, v, w, a, cfg: OpConfig):
     """Closed form: every query sees every (real) key of its row."""
     fq, fk = features(q, k, w, a.kmask)
     rq, rk = fq, fk
     if cfg.rotary:
-        tables = rotary_tables(q.shape[2], a.m, offset=cfg.offset, base=cfg.base, dtype=v.dtype, device=v.device,
-                               positions=a.positions)
-        if tables[0].dim() == 3:  # per row: broadcast over heads
-            tables = (tables[0][:, None], tables[1][:, None])
+        tables = rope_tables(q.shape[2], a.m, cfg.offset, cfg.base, a.positions, v.device, v.dtype)
         rq, rk = rotate_with_tables(fq, *tables), rotate_with_tables(fk, *tables)
     S = rk.transpose(-1, -2) @ v  # (B, H, m, e)
     z = fk.sum(-2)  # (B, H, m)
@@ -192,9 +196,11 @@ def rotary_linear_attention(
     float32 range (see ``utils.normalise_scale``); a final state whose key sum overflows is a
     ValueError (a RuntimeError from ``torch._assert_async`` under ``torch.compile``).
     """
+    par = isinstance(q, torch.Tensor) and takes_parallel(q)  # the chunk-parallel backend: no host syncs
+    read = not par or checks_enabled()
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative, output_final_state=output_final_state))
+                   allow_negative=allow_negative, output_final_state=output_final_state), read_values=read)
     sizes = chunk_size is not None or block_size is not None
     for name, val in (("chunk_size", chunk_size), ("block_size", block_size)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -202,10 +208,11 @@ def rotary_linear_attention(
     if sizes and not causal:
         raise ValueError("chunk_size / block_size: the bidirectional closed form walks no chunks, so they have no "
                          "effect with causal=False; leave them out")
-    if causal and torch.jit.is_tracing():
+    transformed = is_transformed(q, k, v, *(a.state or ()))
+    par = par and not transformed and a.docs is None  # packed documents: the torch path (PACKED_REASON)
+    if causal and torch.jit.is_tracing() and not par:
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
-    transformed = is_transformed(q, k, v, *(a.state or ()))
     if backend() == "fla" and not is_compiling() and not transformed:  # forced: fla-core's kernels or an error
         return _forced_fla(q, k, v, dict(causal=causal, rotary=rotary, offset=offset, base=base,
                                          projection=projection, mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens,
@@ -229,20 +236,22 @@ def rotary_linear_attention(
             elif backend() == "triton":
                 raise ValueError(f"chunk_size / block_size: the Triton kernels pick their own chunk, so they have no "
                                  f"effect with {ENV_VAR}=triton; leave them out, or set {ENV_VAR}=torch")
-            else:  # auto: explicit sizes keep the call on the torch path, where they apply
+            elif not par:  # auto: explicit sizes keep the call on the torch path, where they apply
                 record("torch path (chunk_size / block_size given: they apply on the torch path)", replace=True)
+        if a.docs is not None and takes_parallel(q):
+            record(f"torch path ({PACKED_REASON})", replace=True)
     out_dtype = v.dtype
-    cdt = table_dtype(q.dtype)
+    cdt, lowp = compute_dtypes(q.dtype, q.device.type)
     B, H, N, e = q.shape[:3] + v.shape[-1:]
     if B * H == 0 or N == 0:
         return _empty(q, k, v, a, cdt, output_final_state)
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-        if not causal or transformed:  # (the custom op selects padding away block by block, in copies it makes anyway)
+        q, k, v = q.to(cdt), k.to(cdt), v.to(lowp if par and causal and lowp is not None else cdt)
+        if not causal or transformed or par:  # (the custom op selects padding away block by block, in its copies)
             q, k, v = _drop_padding(q, k, v, a)
         state, sk = a.state, None
         if projection is None:  # FAVOR+ features inside are stabilised already
-            q, k, state, sk = normalise_scale(q, k, a.kmask, state, a.docs)
+            q, k, state, sk = normalise_scale(q, k, a.kmask, state, a.docs, sync=not par)
         if e == 0:  # no value columns: one zero column keeps every path's shapes, z stays right
             v = F.pad(v, (0, 1))
             state = None if state is None else LinearAttentionState(F.pad(state.S, (0, 1)), state.z)
@@ -252,7 +261,11 @@ def rotary_linear_attention(
         cu = () if a.docs is None else (0, *(end for _, end in a.docs))
         cfg = OpConfig(chunk_size or CHUNK, block_size or BLOCK, a.offset if isinstance(a.offset, int) else 0, rotary,
                        cu, float(base))
-        if causal:
+        if causal and par:
+            C = min(chunk_size or CHUNK, N)
+            seg = segment_tokens(B, H, N, a.m, v.shape[-1], C, block_size)
+            path = functools.partial(_parallel, C=C, lowp=lowp, segment=seg)
+        elif causal:
             path = composite_causal if transformed else _causal
         else:
             path = _bidirectional if a.docs is None else _documents
@@ -263,7 +276,7 @@ def rotary_linear_attention(
     if not output_final_state:
         return out
     S = S[..., :e]
-    return out, (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))
+    return out, (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk, read_values=read))
 
 
 def _forced_fla(q, k, v, kw):

@@ -1,0 +1,266 @@
+"""The chunk-parallel causal path: Eq. 19 in a fixed number of plain torch ops at any length.
+
+What the GPU runs by default (``LINEAR_ROPE_BACKEND=auto`` on CUDA), and what any device runs
+with ``LINEAR_ROPE_BACKEND=parallel``. The form of fla's naive chunk attention and Mamba-2's
+``ssd_minimal``: the sequence is cut into chunks of C tokens, laid out `[B, H, nc, C, x]`, and
+
+* every chunk's state ``rk^T v`` comes out of one batched GEMM `[B, H, nc, m, e]`;
+* the states before each chunk are one exclusive prefix over chunks (a cumsum, from the
+  initial state), in float32 or wider;
+* the masked `[C, C]` products inside every chunk are two batched GEMMs (``tril(rq rk^T) v``),
+  and ``rq S_before`` a third;
+* Eq. 19's unrotated denominator runs alongside in float32 or wider: ``phi(q_t) . (z0 + sum_{n
+  <= t} phi(k_n))``, one cumsum over the tokens (no rotation, no GEMM: it is a dot product per
+  token with a running sum).
+
+No op here reads a tensor's value into Python (no host sync), no Python loop runs over chunks,
+rows or documents, and nothing is an opaque custom op: ``torch.compile`` sees every op, and the
+gradients are plain autograd through them. The number of kernels of a call does not depend on
+N or B, up to ``STATE_BYTES``: beyond it the sequence is walked in segments of a fixed number
+of tokens carrying the state (``segment_tokens``), so the kernels per token stay fixed.
+
+Precision. With bfloat16 inputs, or under a bfloat16 autocast, the chunk products take bf16
+operands (the tensor cores; the GEMMs accumulate in float32); the FAVOR+ exponents, the
+rotation, the sums over chunks, the denominator and the division stay in float32. The contract
+(``tolerances.parallel_contract``): its error is within 2x of the float64 op on the
+bf16-rounded features and values. float16 computes in float32 (its range would not hold the
+states' sums). float64 stays float64.
+
+Memory: the per-chunk states ``[B, H, N / C, m, e]`` (twice: each chunk's and the prefix, plus
+a bf16 copy under bf16) next to the features ``[B, H, N, m]`` (four: phi and R phi of q and k);
+with C = 64 and e = 64 the states weigh about what one feature tensor does. Autograd keeps
+what the GEMMs read. ``block_size`` (or ``STATE_BYTES``) bounds the states by segmenting.
+
+Keywords: ``mask`` (padding selected away, positions count real tokens), per-row ``offset``,
+``initial_state`` / ``output_final_state``, ``rotary=False`` (Eq. 18), features in or FAVOR+
+inside (``projection``), ``chunk_size`` (C) and ``block_size`` (the segment) run here.
+``cu_seqlens`` does not: its values set the shapes of the chunk layout (every document padded
+to whole chunks), and reading them is a host sync; the op sends such calls to the torch path and
+records why (``PACKED_REASON``). The bidirectional closed form is plain ops already
+(``chunk._bidirectional``).
+
+Inputs come checked (``utils.check_args``), in the compute dtype, with padding selected away,
+from ``chunk.rotary_linear_attention``; this module does not import it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import is_compiling
+from ..features import favor_exp_, favor_inputs, favor_projection
+from ..rotary import _LIMB, _turn_limbs, rope_turns
+
+__all__ = ["parallel_causal", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
+           "compute_dtypes", "segment_tokens"]
+
+CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
+STATE_BYTES = 1 << 30  # per-chunk states of one segment (float32), at most: 1 GiB
+CHECKS_VAR = "LINEAR_ROPE_CHECKS"
+PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
+                 "sync, so packed documents take the torch path")
+
+
+def checks_enabled() -> bool:
+    """``LINEAR_ROPE_CHECKS=1``: the checks that read tensor values (features >= 0, finite
+    projection and states, offsets in range) run on this path too (each a host sync). Off by
+    default: the GPU would wait for them on every call."""
+    return os.environ.get(CHECKS_VAR, "0").strip() not in ("", "0")
+
+
+def compute_dtypes(dtype: torch.dtype, device_type: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(sum dtype, GEMM operand dtype or None): float32 (float64 for float64) for sums; bf16
+    operands for bf16 inputs or under a bf16 autocast on the device, else the sum dtype."""
+    cdt = torch.promote_types(dtype, torch.float32)
+    bf16 = dtype == torch.bfloat16 or (torch.is_autocast_enabled(device_type)
+                                       and torch.get_autocast_dtype(device_type) == torch.bfloat16)
+    return cdt, (torch.bfloat16 if bf16 and cdt == torch.float32 else None)
+
+
+def segment_tokens(B: int, H: int, N: int, m: int, e: int, C: int, block_size: int | None) -> int:
+    """Tokens per segment: ``block_size`` rounded up to whole chunks, else the whole sequence
+    while its per-chunk states fit ``STATE_BYTES`` (float32), else as many chunks as do."""
+    if block_size is not None:
+        return -(-block_size // C) * C
+    per_chunk = max(1, B * H * m * e * 4)
+    chunks = max(1, STATE_BYTES // per_chunk)
+    return chunks * C
+
+
+@functools.lru_cache(maxsize=32)
+def _limb_tensors(dim: int, base: float, device: torch.device):
+    """``rope_turns``' constants as float64 tensors on ``device``, made once (a list copied to a
+    GPU on every call would be a host-to-device copy each time)."""
+    a, b = _turn_limbs(dim, base)
+    with torch.inference_mode(False):
+        return tuple(torch.tensor(t, dtype=torch.float64).to(device) for t in (a, b))
+
+
+def _turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile."""
+    if is_compiling():
+        return rope_turns(positions, dim, base)
+    a, b = _limb_tensors(dim, float(base), positions.device)
+    p = positions.reshape(-1, 1)
+    mag, sign = p.abs(), torch.where(p < 0, -1.0, 1.0).to(torch.float64)
+    limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64) * sign
+    turns = limbs @ a
+    turns -= turns.floor()
+    turns = torch.addmm(turns, limbs, b)
+    turns -= turns.floor()
+    return turns.view(*positions.shape, dim // 2)
+
+
+CACHED_TABLE = 1 << 22  # entries of a cos / sin table kept between calls, at most (16 MiB in float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables_at(n: int, dim: int, offset: int, base: float, device: torch.device, dtype: torch.dtype):
+    """cos, sin `[n, dim / 2]` of positions offset .. offset + n - 1 (eager: made once per shape;
+    plain tensors even when first asked for under ``torch.inference_mode``)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return _tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
+
+
+def _tables(positions, dim, base, dtype):
+    angle = _turns(positions, dim, base) * (2 * torch.pi)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def _pair_tables(positions, dim, base, dtype):
+    """The tables of ``rotate``: (cos, cos) and (-sin, sin) per pair, `[..., n, dim]`."""
+    cos, sin = _tables(positions, dim, base, dtype)
+    return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (``rotary.rotate_with_tables``) as ``x cos2 + swap(x) sin2``,
+    swap exchanging each pair: four elementwise kernels, and as many in the backward (no strided
+    slices, whose backward writes zeros first)."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos2 + swapped * sin2
+
+
+@functools.lru_cache(maxsize=8)
+def _pair_tables_at(n: int, dim: int, offset: int, base: float, device: torch.device, dtype: torch.dtype):
+    """``_pair_tables`` of positions offset .. offset + n - 1 (eager: made once per shape; plain
+    tensors even when first asked for under ``torch.inference_mode``)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
+
+
+def rope_pair_tables(n: int, dim: int, offset: int, base: float, positions, device, dtype):
+    """``rotate``'s tables `[n, dim]`, or `[B, 1, n, dim]` for per-row ``positions`` `[B, n]`."""
+    if positions is not None:
+        cos2, sin2 = _pair_tables(positions.long(), dim, base, dtype)
+        return cos2[:, None], sin2[:, None]
+    if is_compiling() or n * dim > CACHED_TABLE:
+        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
+    return _pair_tables_at(n, dim, offset, float(base), torch.device(device), dtype)
+
+
+def rope_tables(n: int, dim: int, offset: int, base: float, positions, device, dtype):
+    """cos, sin `[n, dim / 2]`, or `[B, 1, n, dim / 2]` for per-row ``positions`` `[B, n]`."""
+    if positions is not None:
+        cos, sin = _tables(positions.long(), dim, base, dtype)
+        return cos[:, None], sin[:, None]
+    if is_compiling() or n * dim // 2 > CACHED_TABLE:
+        return _tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
+    return _tables_at(n, dim, offset, float(base), torch.device(device), dtype)
+
+
+def _features(q, k, w, kmask):
+    """phi(q), phi(k) in the compute dtype: FAVOR+ with the projection ``w`` (fp32 exponents,
+    the stabiliser of ``features.py``), else q, k as given (padded keys are 0 already: selected
+    away by the op); masked keys' features exactly 0."""
+    if w is None:
+        return q, k
+    wq, wk = favor_projection(w)
+    fq = favor_exp_(favor_inputs(q, is_query=True) @ wq.t(), is_query=True)
+    fk = favor_exp_(favor_inputs(k, is_query=False) @ wk.t(), is_query=False)
+    return fq, (fk if kmask is None else fk.masked_fill(~kmask[:, None, :, None], 0))
+
+
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
+    """`[C, C]` bool, True above the diagonal: the keys a query of the chunk does not see."""
+    with torch.inference_mode(False):
+        return torch.ones(C, C, dtype=torch.bool, device=device).triu(1)
+
+
+def _segment(fq, fk, rq, rk, v, S0, z0, C: int, lowp):
+    """One segment of whole chunks: features `[B, H, n, m]` (n a multiple of C; padded keys'
+    features 0), v `[B, H, n, e]`, and the state before it (None: zeros) -> out, S, z after it."""
+    B, H, n, m = fq.shape
+    nc = n // C
+    cdt = fq.dtype
+
+    def chunks(t):
+        return t.reshape(B, H, nc, C, t.shape[-1])
+
+    lo = (lambda t: t) if lowp is None else (lambda t: t.to(lowp))
+    rqc, rkc, vc = lo(chunks(rq)), lo(chunks(rk)), lo(chunks(v))
+    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1) if is_compiling() else \
+        _above_diagonal(C, v.device)
+    A = (rqc @ rkc.transpose(-1, -2)).masked_fill(upper, 0)  # (B, H, nc, C, C): rotated scores inside chunks
+    Sc = (rkc.transpose(-1, -2) @ vc).to(cdt)  # (B, H, nc, m, e): every chunk's state, one GEMM
+    if S0 is None:  # the state before each chunk: an exclusive prefix over chunks, from S0
+        Sb = F.pad(Sc[:, :, :-1], (0, 0, 0, 0, 1, 0)).cumsum(2)
+    else:
+        Sb = torch.cat((S0[:, :, None], Sc[:, :, :-1]), dim=2).cumsum(2)
+    num = (A @ vc).to(cdt) + (rqc @ lo(Sb)).to(cdt)  # (B, H, nc, C, e)
+    zt = fk.cumsum(2)  # (B, H, n, m): z0 + phi(k) of every key up to each token
+    if z0 is not None:
+        zt = zt + z0[:, :, None]
+    den = (fq.unsqueeze(-2) @ zt.unsqueeze(-1)).reshape(B, H, n, 1)  # Eq. 19's unrotated denominator
+    out = num.reshape(B, H, n, -1) / den.masked_fill(den <= 0, 1)  # as naive: <= 0 divides by 1, NaN stays NaN
+    return out, Sb[:, :, -1] + Sc[:, :, -1], zt[:, :, -1]
+
+
+def parallel_causal(q, k, v, w, a, C: int, rotary: bool, offset: int, base: float, lowp=None, segment=None):
+    """Causal Eq. 19 (Eq. 18 without ``rotary``) on the checked arguments ``a`` (no packed
+    documents): q, k `[B, H, N, d or m]` (d with the projection ``w``) in the sum dtype, v
+    `[B, H, N, e]` in the sum dtype or ``lowp``, padding selected away -> out `[B, H, N, e]`,
+    S, z in the sum dtype.
+
+    ``lowp``: the GEMM operand dtype (bf16) or None; ``segment``: tokens per segment (rounded
+    up to whole chunks; None: all)."""
+    B, H, N, e = v.shape
+    cdt = q.dtype
+    C = max(1, min(C, N))
+    Np = -(-N // C) * C
+    kmask = a.kmask
+    if Np != N:  # whole chunks: zero tokens at the end (FAVOR+: their keys masked, features exactly 0)
+        q, k, v = (F.pad(t, (0, 0, 0, Np - N)) for t in (q, k, v))
+        if w is not None:
+            kmask = F.pad(torch.ones(B, N, dtype=torch.bool, device=v.device) if kmask is None else kmask,
+                          (0, Np - N), value=False)
+    fq, fk = _features(q, k, w, kmask)
+    rq, rk = fq, fk
+    if rotary:
+        pos = a.positions
+        if pos is not None and Np != N:
+            pos = F.pad(pos, (0, Np - N))  # the padded tokens' positions: 0 (their keys are 0)
+        cos2, sin2 = rope_pair_tables(Np, a.m, offset, base, pos, v.device, cdt)
+        rq, rk = rotate(fq, cos2, sin2), rotate(fk, cos2, sin2)
+    S = z = None
+    if a.state is not None:
+        S, z = a.state.S.to(cdt), a.state.z.to(cdt)
+    seg = Np if segment is None else min(Np, -(-segment // C) * C)
+    if seg == Np:  # one segment (no slices: their backward would copy)
+        out, S, z = _segment(fq, fk, rq, rk, v, S, z, C, lowp)
+    else:  # segments of whole chunks, the state carried: the kernels per token stay fixed
+        outs = []
+        for s in range(0, Np, seg):
+            sl = slice(s, min(s + seg, Np))
+            o, S, z = _segment(fq[:, :, sl], fk[:, :, sl], rq[:, :, sl], rk[:, :, sl], v[:, :, sl], S, z, C, lowp)
+            outs.append(o)
+        out = torch.cat(outs, dim=2)
+    if Np != N:
+        out = out[:, :, :N]
+    if a.qmask is not None:
+        out = out.masked_fill(~a.qmask[:, None, :, None], 0)
+    return out, S, z
