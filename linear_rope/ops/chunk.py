@@ -232,7 +232,7 @@ def rotary_linear_attention(
                     if backend() == "triton":
                         raise
                     fallback(str(e))
-                    record(f"torch path ({e})", replace=True)
+                    record(f"{'parallel' if par else 'torch'} path ({e})", replace=True)
             elif backend() == "triton":
                 raise ValueError(f"chunk_size / block_size: the Triton kernels pick their own chunk, so they have no "
                                  f"effect with {ENV_VAR}=triton; leave them out, or set {ENV_VAR}=torch")
@@ -246,7 +246,7 @@ def rotary_linear_attention(
     if B * H == 0 or N == 0:
         return _empty(q, k, v, a, cdt, output_final_state)
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v = q.to(cdt), k.to(cdt), v.to(lowp if par and causal and lowp is not None else cdt)
+        q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
         if not causal or transformed or par:  # (the custom op selects padding away block by block, in its copies)
             q, k, v = _drop_padding(q, k, v, a)
         state, sk = a.state, None

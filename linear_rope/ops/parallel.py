@@ -184,6 +184,55 @@ def _features(q, k, w, kmask):
     return fq, (fk if kmask is None else fk.masked_fill(~kmask[:, None, :, None], 0))
 
 
+def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b `[..., M, K] x [..., K, P]` of bf16 operands with a float32 result (float32
+    accumulation, never rounded to bf16): cuBLAS's bf16 GEMM with a float32 output."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return torch.bmm(a3, b3, out_dtype=torch.float32).view(*lead, a.shape[-2], b.shape[-1])
+
+
+def _round(t: torch.Tensor) -> torch.Tensor:
+    """The GEMM operand: bf16 on CUDA; elsewhere (no bf16 GEMM with a float32 result) the
+    bf16-rounded values in float32, whose float32 products are what the tensor cores compute."""
+    t16 = t.to(torch.bfloat16)
+    return t16 if t.is_cuda else t16.float()
+
+
+def _mm32(a, b):
+    return _bmm32(a, b) if a.is_cuda else a @ b
+
+
+class _Bf16Matmul(torch.autograd.Function):
+    """``a @ b`` for float32 a, b on the bf16 tensor cores: operands rounded to bf16, products
+    accumulated and returned in float32 (a sum over chunks or a division comes next). The
+    backward's two GEMMs take the saved bf16 operands and the upstream gradient rounded to
+    bf16 (as flash attention's and fla's do), and return float32 gradients."""
+
+    @staticmethod
+    def forward(ctx, a, b, split: bool = False):
+        a16, b16 = _round(a), _round(b)
+        ctx.save_for_backward(a16, b16)
+        out = _mm32(a16, b16)
+        if split:  # a = a16 + its bf16 remainder: a's rounding leaves the product (for the scores)
+            out = out + _mm32(_round(a - a16.float()), b16)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a16, b16 = ctx.saved_tensors
+        with torch.autocast(g.device.type, enabled=False):  # a backward run under autocast: these dtypes
+            g16 = _round(g)
+            da = _mm32(g16, b16.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
+            db = _mm32(a16.transpose(-1, -2), g16) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+def _matmul(a, b, lowp, split: bool = False):
+    return a @ b if lowp is None else _Bf16Matmul.apply(a, b, split)
+
+
 @functools.lru_cache(maxsize=16)
 def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
     """`[C, C]` bool, True above the diagonal: the keys a query of the chunk does not see."""
@@ -201,17 +250,16 @@ def _segment(fq, fk, rq, rk, v, S0, z0, C: int, lowp):
     def chunks(t):
         return t.reshape(B, H, nc, C, t.shape[-1])
 
-    lo = (lambda t: t) if lowp is None else (lambda t: t.to(lowp))
-    rqc, rkc, vc = lo(chunks(rq)), lo(chunks(rk)), lo(chunks(v))
+    rqc, rkc, vc = chunks(rq), chunks(rk), chunks(v)
     upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1) if is_compiling() else \
         _above_diagonal(C, v.device)
-    A = (rqc @ rkc.transpose(-1, -2)).masked_fill(upper, 0)  # (B, H, nc, C, C): rotated scores inside chunks
-    Sc = (rkc.transpose(-1, -2) @ vc).to(cdt)  # (B, H, nc, m, e): every chunk's state, one GEMM
+    A = _matmul(rqc, rkc.transpose(-1, -2), lowp).masked_fill(upper, 0)  # (B, H, nc, C, C): scores in chunks
+    Sc = _matmul(rkc.transpose(-1, -2), vc, lowp)  # (B, H, nc, m, e): every chunk's state, one GEMM
     if S0 is None:  # the state before each chunk: an exclusive prefix over chunks, from S0
         Sb = F.pad(Sc[:, :, :-1], (0, 0, 0, 0, 1, 0)).cumsum(2)
     else:
         Sb = torch.cat((S0[:, :, None], Sc[:, :, :-1]), dim=2).cumsum(2)
-    num = (A @ vc).to(cdt) + (rqc @ lo(Sb)).to(cdt)  # (B, H, nc, C, e)
+    num = _matmul(A, vc, lowp, split=True) + _matmul(rqc, Sb, lowp)  # (B, H, nc, C, e)
     zt = fk.cumsum(2)  # (B, H, n, m): z0 + phi(k) of every key up to each token
     if z0 is not None:
         zt = zt + z0[:, :, None]

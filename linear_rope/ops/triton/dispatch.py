@@ -139,10 +139,11 @@ _FALLBACKS: dict[str, int] = {}  # reason -> calls that fell back for it, in ord
 
 
 def fallback(reason: str) -> None:
-    """Record that a call took the torch path because the kernels could not run, and say so on
-    stderr the first time a reason occurs in this process (one line)."""
+    """Record that a call took the torch ops (the chunk-parallel path on CUDA, else the torch
+    path) because the kernels could not run, and say so on stderr the first time a reason
+    occurs in this process (one line)."""
     if reason not in _FALLBACKS:
-        print(f"linear_rope: warning: Triton kernels unavailable, using the torch path: {reason}", file=sys.stderr,
+        print(f"linear_rope: warning: Triton kernels unavailable, using the torch ops: {reason}", file=sys.stderr,
               flush=True)
     _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
 
