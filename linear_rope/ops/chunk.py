@@ -2,7 +2,9 @@
 
 The causal path is the custom op ``linear_rope::chunk_causal`` (``chunk_op.py``: one node under
 ``torch.compile``, any sequence length), whose forward and backward walks live in
-``chunk_fwd.py`` and ``chunk_bwd.py``, over the layout of ``layout.py``.
+``chunk_fwd.py`` and ``chunk_bwd.py``, over the layout of ``layout.py``. On CUDA (and
+anywhere with ``LINEAR_ROPE_BACKEND=parallel``) a causal call takes the chunk-parallel path of
+``parallel.py`` instead: plain torch ops, no host sync.
 
 ``rotary_linear_attention`` is the public op. It computes what ``naive.py`` writes out, with
 O(N) time and memory:
@@ -166,7 +168,9 @@ def rotary_linear_attention(
             from ``torch._assert_async``, a RuntimeError when the graph runs).
         chunk_size, block_size: the chunk of the masked products and the block walked at once
             by the causal torch path (memory is O(block_size * m) plus O(N / block_size * m * e));
-            any values work. Default ``CHUNK`` and ``BLOCK``.
+            any values work. Default ``CHUNK`` and ``BLOCK``. On the chunk-parallel path
+            ``block_size`` is the segment (tokens whose per-chunk states are held at once;
+            default: all while they fit ``parallel.STATE_BYTES``).
 
     A keyword that would have no effect in the call is refused (ValueError naming it), not
     dropped: ``offset`` or a ``base`` other than the default with ``rotary=False``,
@@ -181,15 +185,23 @@ def rotary_linear_attention(
         ``torch.jit.trace`` of the causal path (use ``torch.compile``). B = 0, H = 0, N = 0 or
         e = 0 give empty results (N = 0: the state passes through).
 
-    Backends: a causal call takes the fused Triton kernels (``linear_rope.ops.triton``) where the
-    tensors are on CUDA, Triton is installed and the kernels take the call; the torch path
-    otherwise. ``LINEAR_ROPE_BACKEND=torch|triton|auto`` forces either (``triton`` raises with the
-    reason for a call the kernels do not take); ``fla`` forces the fla-core path (``fla_path.py``,
-    causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the reason otherwise),
-    which ``auto`` does not pick until a GPU measures it (docs/gpu.md, "Cost model"). Inside
-    ``torch.compile`` the op is the custom op ``linear_rope::chunk_causal`` (the torch path)
-    whatever the backend. Under the ``torch.func`` transforms and forward-mode AD the causal path
-    is ``composite_causal`` (correct tangents, batching and higher derivatives).
+    Backends (``LINEAR_ROPE_BACKEND``): ``auto`` (the default) runs a causal call on CUDA
+    tensors through the chunk-parallel path (``parallel.py``: plain torch ops, a fixed number of
+    kernels at any N, no host sync, bf16 tensor-core products under a bf16 autocast), and on
+    other devices through the torch path (the custom op's block walk, the fastest on a CPU).
+    ``parallel`` takes the chunk-parallel path on any device; ``torch`` the torch path. On the
+    chunk-parallel path the checks that read tensor values (features >= 0, a finite projection
+    and state, offsets in range, a finite final key sum) are off unless ``LINEAR_ROPE_CHECKS=1``
+    (each would make the GPU wait); packed documents (``cu_seqlens``) go to the torch path there,
+    with the reason recorded (``record_paths``). ``triton`` takes the fused Triton kernels
+    (``linear_rope.ops.triton``; raises with the reason for a call they do not take), which
+    ``auto`` picks only once a GPU run in this process has measured them faster than the
+    chunk-parallel path (``dispatch.note_triton_measured``). ``fla`` forces the fla-core path
+    (``fla_path.py``, causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the
+    reason otherwise). Inside ``torch.compile`` the op is the chunk-parallel path's plain ops
+    where the backend picks it, else the custom op ``linear_rope::chunk_causal``. Under the
+    ``torch.func`` transforms and forward-mode AD the causal path is ``composite_causal``
+    (correct tangents, batching and higher derivatives).
 
     Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
     (or packed document) with its state, and so is this op for finite features anywhere in the

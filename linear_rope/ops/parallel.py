@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from ..checks import is_compiling
 from ..features import favor_exp_, favor_inputs, favor_projection
-from ..rotary import _LIMB, _turn_limbs, rope_turns
+from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
 
 __all__ = ["parallel_causal", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
            "compute_dtypes", "segment_tokens"]
@@ -164,6 +164,10 @@ def rope_pair_tables(n: int, dim: int, offset: int, base: float, positions, devi
 
 def rope_tables(n: int, dim: int, offset: int, base: float, positions, device, dtype):
     """cos, sin `[n, dim / 2]`, or `[B, 1, n, dim / 2]` for per-row ``positions`` `[B, n]`."""
+    if torch.jit.is_tracing():  # sizes are traced tensors there: the uncached tables
+        cos, sin = rotary_tables(int(n), int(dim), offset=offset, base=base, dtype=dtype, device=device,
+                                 positions=positions)
+        return (cos[:, None], sin[:, None]) if positions is not None else (cos, sin)
     if positions is not None:
         cos, sin = _tables(positions.long(), dim, base, dtype)
         return cos[:, None], sin[:, None]
