@@ -276,3 +276,39 @@ def test_inductor_compiles_forward_and_backward():
     assert _rel(out, ref) <= 1e-12
     for a, b in zip(got, want):
         assert _rel(a, b) <= 1e-11
+
+
+def test_recompute_above_the_byte_budget(monkeypatch):
+    """Above ``KEEP_BYTES`` every segment keeps its inputs only and recomputes in the backward:
+    the same outputs, states and gradients."""
+    monkeypatch.setattr(parallel, "KEEP_BYTES", 0)
+    xs, w, g = _inputs(2, 2, 100, 6, 4, 3, favor=True, seed=3, state=True)
+    mask = torch.rand(2, 100, generator=g) < 0.8
+    kw = dict(projection=w, mask=mask, initial_state=LinearAttentionState(*xs[3:]), output_final_state=True)
+    out, st = op(*xs[:3], block_size=30, **kw)
+    ref, ref_st = naive(*xs[:3], **kw)
+    ups = [torch.randn(r.shape, generator=g, dtype=torch.float64) for r in (ref, ref_st.S, ref_st.z)]
+    got = torch.autograd.grad(sum((a * u).sum() for a, u in zip((out, st.S, st.z), ups)), xs)
+    want = torch.autograd.grad(sum((b * u).sum() for b, u in zip((ref, ref_st.S, ref_st.z), ups)), xs)
+    scale = max(b.abs().max().item() for b in want)
+    assert _rel(out, ref) <= 1e-12 and _rel(st.S, ref_st.S) <= 1e-12
+    for a, b in zip(got, want):
+        assert _rel(a, b, scale) <= 1e-12
+
+
+def test_segments_keep_the_launches_per_token_fixed():
+    """Past the state budget (here ``block_size``) the sequence is walked in segments: each adds
+    the same number of launches, so the launches per token do not grow with N."""
+    def launches(N):
+        q, k = (torch.rand(1, 2, N, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        v = torch.randn(1, 2, N, 4, dtype=torch.float64, requires_grad=True)
+        op(q, k, v, block_size=64)  # the tables of this length, made once
+        with Launches() as fwd:
+            out = op(q, k, v, block_size=64)
+        with Launches() as bwd:
+            out.sum().backward()
+        assert fwd.syncs == bwd.syncs == 0
+        return fwd.launches + bwd.launches
+
+    a, b, c = launches(128), launches(256), launches(384)
+    assert b - a == c - b > 0, (a, b, c)

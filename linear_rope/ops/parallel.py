@@ -26,10 +26,13 @@ rotation, the sums over chunks, the denominator and the division stay in float32
 bf16-rounded features and values. float16 computes in float32 (its range would not hold the
 states' sums). float64 stays float64.
 
-Memory: the per-chunk states ``[B, H, N / C, m, e]`` (twice: each chunk's and the prefix, plus
-a bf16 copy under bf16) next to the features ``[B, H, N, m]`` (four: phi and R phi of q and k);
-with C = 64 and e = 64 the states weigh about what one feature tensor does. Autograd keeps
-what the GEMMs read. ``block_size`` (or ``STATE_BYTES``) bounds the states by segmenting.
+Memory: the per-chunk states `[B, H, N / C, m, e]` (each chunk's and the prefix, in float32)
+next to the features `[B, H, N, m]` (phi and R phi of q and k); with C = 64 and e = 64 the states
+weigh about what one feature tensor does. Two budgets bound it: past ``STATE_BYTES`` of states
+the sequence is walked in segments of whole chunks carrying the state (``block_size`` sets the
+segment), and where a segment would keep more than ``KEEP_BYTES`` for the backward
+(``kept_bytes``), it keeps its inputs only and recomputes the rest in the backward
+(``torch.utils.checkpoint``: one more forward's launches per segment).
 
 Keywords: ``mask`` (padding selected away, positions count real tokens), per-row ``offset``,
 ``initial_state`` / ``output_final_state``, ``rotary=False`` (Eq. 18), features in or FAVOR+
@@ -49,16 +52,18 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..checks import is_compiling
 from ..features import favor_exp_, favor_inputs, favor_projection
 from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
 
-__all__ = ["parallel_causal", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
+__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
            "compute_dtypes", "segment_tokens"]
 
 CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
-STATE_BYTES = 1 << 30  # per-chunk states of one segment (float32), at most: 1 GiB
+STATE_BYTES = 4 << 30  # per-chunk states of one segment (float32), at most: 4 GiB
+KEEP_BYTES = 16 << 30  # what one segment keeps for the backward, at most; above, it recomputes (16 GiB)
 CHECKS_VAR = "LINEAR_ROPE_CHECKS"
 PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
                  "sync, so packed documents take the torch path")
@@ -88,6 +93,14 @@ def segment_tokens(B: int, H: int, N: int, m: int, e: int, C: int, block_size: i
     per_chunk = max(1, B * H * m * e * 4)
     chunks = max(1, STATE_BYTES // per_chunk)
     return chunks * C
+
+
+def kept_bytes(B: int, H: int, n: int, x: int, m: int, e: int, C: int) -> int:
+    """About what autograd keeps of a segment of n tokens (x: d or m per token of q and k): the
+    inputs, four float32 feature tensors and the running key sums, the bf16 (or float32)
+    operands of the products, the `[C, C]` scores and the per-chunk states."""
+    per_token = 4 * (2 * x + e) + 4 * 6 * m + 8 * C + 4 * e
+    return B * H * (n * per_token + -(-n // C) * m * e * 12)
 
 
 @functools.lru_cache(maxsize=32)
@@ -176,13 +189,13 @@ def rope_tables(n: int, dim: int, offset: int, base: float, positions, device, d
     return _tables_at(n, dim, offset, float(base), torch.device(device), dtype)
 
 
-def _features(q, k, w, kmask):
-    """phi(q), phi(k) in the compute dtype: FAVOR+ with the projection ``w`` (fp32 exponents,
-    the stabiliser of ``features.py``), else q, k as given (padded keys are 0 already: selected
-    away by the op); masked keys' features exactly 0."""
-    if w is None:
+def _features(q, k, wqk, kmask):
+    """phi(q), phi(k) in the compute dtype: FAVOR+ with ``wqk = features.favor_projection(w)``
+    (fp32 exponents, the stabiliser of ``features.py``), else q, k as given (padded keys are 0
+    already: selected away by the op); masked keys' features exactly 0."""
+    if wqk is None:
         return q, k
-    wq, wk = favor_projection(w)
+    wq, wk = wqk
     fq = favor_exp_(favor_inputs(q, is_query=True) @ wq.t(), is_query=True)
     fk = favor_exp_(favor_inputs(k, is_query=False) @ wk.t(), is_query=False)
     return fq, (fk if kmask is None else fk.masked_fill(~kmask[:, None, :, None], 0))
@@ -290,25 +303,35 @@ def parallel_causal(q, k, v, w, a, C: int, rotary: bool, offset: int, base: floa
         if w is not None:
             kmask = F.pad(torch.ones(B, N, dtype=torch.bool, device=v.device) if kmask is None else kmask,
                           (0, Np - N), value=False)
-    fq, fk = _features(q, k, w, kmask)
-    rq, rk = fq, fk
+    wqk = None if w is None else favor_projection(w)
+    tables = (None, None)
     if rotary:
         pos = a.positions
         if pos is not None and Np != N:
             pos = F.pad(pos, (0, Np - N))  # the padded tokens' positions: 0 (their keys are 0)
-        cos2, sin2 = rope_pair_tables(Np, a.m, offset, base, pos, v.device, cdt)
-        rq, rk = rotate(fq, cos2, sin2), rotate(fk, cos2, sin2)
+        tables = rope_pair_tables(Np, a.m, offset, base, pos, v.device, cdt)
     S = z = None
     if a.state is not None:
         S, z = a.state.S.to(cdt), a.state.z.to(cdt)
     seg = Np if segment is None else min(Np, -(-segment // C) * C)
+    recompute = torch.is_grad_enabled() and kept_bytes(B, H, seg, q.shape[-1], a.m, e, C) > KEEP_BYTES
+
+    def run(q, k, v, kmask, cos2, sin2, S, z):
+        fq, fk = _features(q, k, wqk, kmask)
+        rq, rk = (fq, fk) if cos2 is None else (rotate(fq, cos2, sin2), rotate(fk, cos2, sin2))
+        return _segment(fq, fk, rq, rk, v, S, z, C, lowp)
+
+    def step(*args):  # above KEEP_BYTES a segment keeps its inputs only, and recomputes in the backward
+        return checkpoint(run, *args, use_reentrant=False) if recompute else run(*args)
+
     if seg == Np:  # one segment (no slices: their backward would copy)
-        out, S, z = _segment(fq, fk, rq, rk, v, S, z, C, lowp)
+        out, S, z = step(q, k, v, kmask, *tables, S, z)
     else:  # segments of whole chunks, the state carried: the kernels per token stay fixed
         outs = []
         for s in range(0, Np, seg):
             sl = slice(s, min(s + seg, Np))
-            o, S, z = _segment(fq[:, :, sl], fk[:, :, sl], rq[:, :, sl], rk[:, :, sl], v[:, :, sl], S, z, C, lowp)
+            cut = [None if t is None else t[..., sl, :] for t in (q, k, v, *tables)]
+            o, S, z = step(*cut[:3], None if kmask is None else kmask[:, sl], *cut[3:], S, z)
             outs.append(o)
         out = torch.cat(outs, dim=2)
     if Np != N:
