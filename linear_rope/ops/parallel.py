@@ -112,14 +112,17 @@ def _limb_tensors(dim: int, base: float, device: torch.device):
         return tuple(torch.tensor(t, dtype=torch.float64).to(device) for t in (a, b))
 
 
-def _turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
-    """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile."""
+def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False) -> torch.Tensor:
+    """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile.
+    ``nonneg``: the positions are known to be >= 0 (no sign to carry)."""
     if is_compiling():
         return rope_turns(positions, dim, base)
     a, b = _limb_tensors(dim, float(base), positions.device)
     p = positions.reshape(-1, 1)
-    mag, sign = p.abs(), torch.where(p < 0, -1.0, 1.0).to(torch.float64)
-    limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64) * sign
+    mag = p if nonneg else p.abs()
+    limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64)
+    if not nonneg:
+        limbs = limbs * torch.where(p < 0, -1.0, 1.0).to(torch.float64)
     turns = limbs @ a
     turns -= turns.floor()
     turns = torch.addmm(turns, limbs, b)
@@ -143,9 +146,10 @@ def _tables(positions, dim, base, dtype):
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def _pair_tables(positions, dim, base, dtype):
+def _pair_tables(positions, dim, base, dtype, nonneg=False):
     """The tables of ``rotate``: (cos, cos) and (-sin, sin) per pair, `[..., n, dim]`."""
-    cos, sin = _tables(positions, dim, base, dtype)
+    angle = (_turns(positions, dim, base, nonneg) * (2 * torch.pi)).to(dtype)  # in [0, 2 pi): exact to dtype
+    cos, sin = angle.cos(), angle.sin()
     return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
 
 
@@ -162,7 +166,7 @@ def _pair_tables_at(n: int, dim: int, offset: int, base: float, device: torch.de
     """``_pair_tables`` of positions offset .. offset + n - 1 (eager: made once per shape; plain
     tensors even when first asked for under ``torch.inference_mode``)."""
     with torch.inference_mode(False), torch.no_grad():
-        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
+        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype, nonneg=True)
 
 
 def rope_pair_tables(n: int, dim: int, offset: int, base: float, positions, device, dtype):
@@ -171,7 +175,7 @@ def rope_pair_tables(n: int, dim: int, offset: int, base: float, positions, devi
         cos2, sin2 = _pair_tables(positions.long(), dim, base, dtype)
         return cos2[:, None], sin2[:, None]
     if is_compiling() or n * dim > CACHED_TABLE:
-        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
+        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype, nonneg=True)
     return _pair_tables_at(n, dim, offset, float(base), torch.device(device), dtype)
 
 
