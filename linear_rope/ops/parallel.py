@@ -20,11 +20,13 @@ N or B, up to ``STATE_BYTES``: beyond it the sequence is walked in segments of a
 of tokens carrying the state (``segment_tokens``), so the kernels per token stay fixed.
 
 Precision. With bfloat16 inputs, or under a bfloat16 autocast, the chunk products take bf16
-operands (the tensor cores; the GEMMs accumulate in float32); the FAVOR+ exponents, the
-rotation, the sums over chunks, the denominator and the division stay in float32. The contract
-(``tolerances.parallel_contract``): its error is within 2x of the float64 op on the
-bf16-rounded features and values. float16 computes in float32 (its range would not hold the
-states' sums). float64 stays float64.
+operands with float32 accumulation and float32 results (the tensor cores; ``_Bf16Matmul``), the
+`[C, C]` scores as two bf16 parts (value and remainder) so that their rounding does not add to
+the features'; the FAVOR+ exponents, the rotation, the sums over chunks, the denominator and
+the division stay in float32. The backward's GEMMs take the upstream gradient rounded to bf16.
+The contract (``tolerances.PARALLEL_BF16_CONTRACT``): the error of the output and final state
+is within 2x of the float64 op's on the bf16-rounded features and values. float16 computes in
+float32 (its range would not hold the states' sums); float64 stays float64.
 
 Memory: the per-chunk states `[B, H, N / C, m, e]` (each chunk's and the prefix, in float32)
 next to the features `[B, H, N, m]` (phi and R phi of q and k); with C = 64 and e = 64 the states
@@ -214,15 +216,32 @@ def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a3, b3, out_dtype=torch.float32).view(*lead, a.shape[-2], b.shape[-1])
 
 
+@functools.lru_cache(maxsize=None)
+def _has_bf16_f32_gemm(device: torch.device) -> bool:
+    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` takes bf16 operands on ``device``
+    (CUDA builds of recent PyTorch); asked once per device, with a tiny product."""
+    if device.type != "cuda":
+        return False
+    try:
+        x = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
+        return torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _native(t: torch.Tensor) -> bool:
+    return t.is_cuda and (is_compiling() or _has_bf16_f32_gemm(t.device))
+
+
 def _round(t: torch.Tensor) -> torch.Tensor:
-    """The GEMM operand: bf16 on CUDA; elsewhere (no bf16 GEMM with a float32 result) the
-    bf16-rounded values in float32, whose float32 products are what the tensor cores compute."""
+    """The GEMM operand: bf16 where the GEMM takes bf16 with a float32 result (CUDA); elsewhere
+    the bf16-rounded values in float32, whose float32 products are what the tensor cores compute."""
     t16 = t.to(torch.bfloat16)
-    return t16 if t.is_cuda else t16.float()
+    return t16 if _native(t) else t16.float()
 
 
 def _mm32(a, b):
-    return _bmm32(a, b) if a.is_cuda else a @ b
+    return _bmm32(a, b) if a.dtype == torch.bfloat16 else a @ b
 
 
 class _Bf16Matmul(torch.autograd.Function):
