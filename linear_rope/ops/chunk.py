@@ -38,7 +38,8 @@ O(N) time and memory:
   plain differentiable ops (the custom op's backward is hand-written, and it has no forward-mode
   rule); the bidirectional path is plain ops already.
 
-Inside, everything is float32 or wider with autocast off; the result has v's dtype.
+Inside, everything is float32 or wider with autocast off (the chunk-parallel path: bf16 GEMM
+operands with float32 results for bf16 inputs or under a bf16 autocast); the result has v's dtype.
 """
 from __future__ import annotations
 
