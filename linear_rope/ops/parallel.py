@@ -285,7 +285,6 @@ def _segment(fq, fk, rq, rk, v, S0, z0, C: int, lowp):
     features 0), v `[B, H, n, e]`, and the state before it (None: zeros) -> out, S, z after it."""
     B, H, n, m = fq.shape
     nc = n // C
-    cdt = fq.dtype
 
     def chunks(t):
         return t.reshape(B, H, nc, C, t.shape[-1])
