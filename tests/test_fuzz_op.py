@@ -21,6 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from linear_rope import FavorFeatures, LinearAttentionState  # noqa: E402
 from linear_rope import naive_rotary_linear_attention as naive  # noqa: E402
 from linear_rope import rotary_linear_attention as fast  # noqa: E402
+from linear_rope.ops.triton import dispatch  # noqa: E402
 from linear_rope.rotary import MAX_POSITION, table_dtype  # noqa: E402
 
 SEED = 41_2024
@@ -120,6 +121,22 @@ def _rel(a, b, scale=None):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(calls())
 def test_the_op_matches_the_float64_reference(call):
+    _check_call(call)
+
+
+@seed(SEED + 1)
+@settings(max_examples=EXAMPLES // 2, deadline=None, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(calls())
+def test_the_parallel_path_matches_the_float64_reference(call):
+    """The same draws through ``LINEAR_ROPE_BACKEND=parallel`` (the chunk-parallel path; packed
+    documents go to the torch path there). Its bf16 chunk products (bf16 operands, float32
+    results) stay within bfloat16's tolerance here."""
+    with dispatch.use_backend("parallel"):
+        _check_call(call)
+
+
+def _check_call(call):
     shapes, kw, dtype, gen_seed = call
     note(f"hypothesis seed {SEED}; torch generator seed {gen_seed}; {shapes}; dtype {dtype}")
     leaves, g = _build(shapes, kw, dtype, gen_seed)

@@ -1,5 +1,5 @@
-"""Every way the Triton kernels can fail to run falls back to the torch path with one warning
-line and the torch path's correct result, and ``LINEAR_ROPE_BACKEND=triton`` raises instead:
+"""Every way the Triton kernels can fail to run falls back to the torch ops (on CUDA the
+chunk-parallel path) with one warning line and their correct result, and ``LINEAR_ROPE_BACKEND=triton`` raises instead:
 Triton not importable, too old, a compute capability the kernels were not built for, a kernel
 that fails to build, and one that fails to launch (forward or backward).
 
@@ -29,7 +29,7 @@ from linear_rope.ops.triton import dispatch  # noqa: E402
 from linear_rope.ops.triton import chunk_kernels as CK  # noqa: E402
 
 IMPORT = dispatch._triton_import  # cached: cleared around each test
-WARNING = "linear_rope: warning: Triton kernels unavailable, using the torch path"
+WARNING = "linear_rope: warning: Triton kernels unavailable, using the torch ops"
 
 
 @pytest.fixture
@@ -39,6 +39,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(dispatch, "_on_gpu", lambda t: True)
     monkeypatch.setattr(dispatch, "_gpu_capability", lambda device: (9, 0))
     monkeypatch.setattr(dispatch, "_FALLBACKS", {})
+    monkeypatch.setattr(dispatch, "_TRITON_MEASURED_FASTER", True)  # as if this process timed them faster
     IMPORT.cache_clear()
     calls = []
     real = triton_chunk.rotary_linear_attention
@@ -87,9 +88,33 @@ def test_the_simulated_gpu_takes_the_kernels(gpu, capsys):
     assert not capsys.readouterr().err and not dispatch.fallbacks()
 
 
+def test_auto_takes_the_parallel_path_until_the_kernels_are_measured_faster(gpu, capsys, monkeypatch):
+    """On CUDA ``auto`` takes the chunk-parallel path (recorded, no warning: a choice) until a run
+    in this process measures the kernels faster (``note_triton_measured``); then the kernels.
+    Forcing ``triton`` takes them either way; on the CPU ``auto`` keeps the torch path."""
+    monkeypatch.setattr(dispatch, "_TRITON_MEASURED_FASTER", False)
+    (q, k, v), kw = _case()
+    with dispatch.record_paths() as paths:
+        out, _ = linear_rope.rotary_linear_attention(q, k, v, **kw)
+        with dispatch.use_backend("triton"):
+            linear_rope.rotary_linear_attention(q, k, v, **kw)
+        dispatch.note_triton_measured(True)
+        linear_rope.rotary_linear_attention(q, k, v, **kw)
+        dispatch.note_triton_measured(False)
+        linear_rope.rotary_linear_attention(q, k, v, **kw)
+        monkeypatch.setattr(dispatch, "_on_gpu", lambda t: False)
+        linear_rope.rotary_linear_attention(q, k, v, **kw)
+    assert paths[0].startswith("parallel path (auto on CUDA") and paths[3] == paths[0], paths
+    assert paths[1].startswith("triton kernels") and paths[2].startswith("triton kernels"), paths
+    assert paths[4] == "torch path (tensors on cpu: the kernels run on CUDA)", paths
+    assert len(gpu) == 2 and not capsys.readouterr().err and not dispatch.fallbacks()
+    ref, _ = naive_rotary_linear_attention(q, k, v, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_auto_takes_the_torch_path_above_the_measured_size(gpu, capsys, monkeypatch):
     """``auto`` takes the kernels up to ``AUTO_KERNEL_ROWS`` query rows (B*H*N), where a GPU
-    measured them faster, and the torch path above (no warning: a choice, not a fallback);
+    measured them faster, and the chunk-parallel path above (no warning: a choice, not a fallback);
     forcing ``triton`` still takes them."""
     (q, k, v), kw = _case()  # B*H*N = 148
     monkeypatch.setattr(dispatch, "AUTO_KERNEL_ROWS", 148)
@@ -100,7 +125,7 @@ def test_auto_takes_the_torch_path_above_the_measured_size(gpu, capsys, monkeypa
         with dispatch.use_backend("triton"):
             linear_rope.rotary_linear_attention(q, k, v, **kw)
     assert paths[0].startswith("triton kernels") and paths[2].startswith("triton kernels")
-    assert paths[1] == "torch path (auto: B*H*N = 148 > 147, where a GPU measured it faster)"
+    assert paths[1] == "parallel path (auto: B*H*N = 148 > 147, where a GPU measured it faster)"
     assert len(gpu) == 2 and not capsys.readouterr().err and not dispatch.fallbacks()
     torch.testing.assert_close(out, naive_rotary_linear_attention(q, k, v, **kw)[0], rtol=1e-10, atol=1e-10)
 

@@ -8,6 +8,9 @@ cu_seqlens, initial_state, output_final_state, allow_negative)`` and return `[B,
 * ``chunk.py``     the fast path (``rotary_linear_attention``): chunked causal as the custom op
                    of ``chunk_op.py`` (forward ``chunk_fwd.py``, backward ``chunk_bwd.py``,
                    layout ``layout.py``), closed-form bidirectional;
+* ``parallel.py``  the chunk-parallel causal path in a fixed number of plain torch ops, no
+                   host syncs, bf16 tensor-core products under a bf16 autocast: the default on
+                   CUDA (``LINEAR_ROPE_BACKEND=parallel`` anywhere);
 * ``composite.py`` the causal chunk form in plain differentiable ops: the path under
                    ``torch.func`` transforms and forward-mode AD;
 * ``recurrent.py`` token by token (``recurrent_rotary_linear_attention``), and the one-token

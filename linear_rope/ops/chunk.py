@@ -2,7 +2,9 @@
 
 The causal path is the custom op ``linear_rope::chunk_causal`` (``chunk_op.py``: one node under
 ``torch.compile``, any sequence length), whose forward and backward walks live in
-``chunk_fwd.py`` and ``chunk_bwd.py``, over the layout of ``layout.py``.
+``chunk_fwd.py`` and ``chunk_bwd.py``, over the layout of ``layout.py``. On CUDA (and
+anywhere with ``LINEAR_ROPE_BACKEND=parallel``) a causal call takes the chunk-parallel path of
+``parallel.py`` instead: plain torch ops, no host sync.
 
 ``rotary_linear_attention`` is the public op. It computes what ``naive.py`` writes out, with
 O(N) time and memory:
@@ -36,20 +38,23 @@ O(N) time and memory:
   plain differentiable ops (the custom op's backward is hand-written, and it has no forward-mode
   rule); the bidirectional path is plain ops already.
 
-Inside, everything is float32 or wider with autocast off; the result has v's dtype.
+Inside, everything is float32 or wider with autocast off (the chunk-parallel path: bf16 GEMM
+operands with float32 results for bf16 inputs or under a bf16 autocast); the result has v's dtype.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from ..checks import is_compiling, is_transformed
-from .triton.dispatch import ENV_VAR, KernelError, backend, fallback, record, should_use_triton
-from ..rotary import rotary_tables, rotate_with_tables, table_dtype
+from .triton.dispatch import ENV_VAR, KernelError, backend, fallback, record, should_use_triton, takes_parallel
+from ..rotary import rotate_with_tables
 from .chunk_op import chunk_causal
 from .composite import composite_causal, features
+from .parallel import PACKED_REASON, checks_enabled, compute_dtypes, parallel_causal, rope_tables, segment_tokens
 from .layout import OpConfig
 from .utils import LinearAttentionState, Options, check_args, check_final_state, normalise_scale
 
@@ -73,15 +78,17 @@ def _causal(q, k, v, w, a, cfg: OpConfig):
     return out, S, z
 
 
+def _parallel(q, k, v, w, a, cfg: OpConfig, C: int, lowp, segment: int):
+    """The chunk-parallel path (``parallel.py``) on the checked arguments."""
+    return parallel_causal(q, k, v, w, a, C, cfg.rotary, cfg.offset, cfg.base, lowp=lowp, segment=segment)
+
+
 def _bidirectional(q, k, v, w, a, cfg: OpConfig):
     """Closed form: every query sees every (real) key of its row."""
     fq, fk = features(q, k, w, a.kmask)
     rq, rk = fq, fk
     if cfg.rotary:
-        tables = rotary_tables(q.shape[2], a.m, offset=cfg.offset, base=cfg.base, dtype=v.dtype, device=v.device,
-                               positions=a.positions)
-        if tables[0].dim() == 3:  # per row: broadcast over heads
-            tables = (tables[0][:, None], tables[1][:, None])
+        tables = rope_tables(q.shape[2], a.m, cfg.offset, cfg.base, a.positions, v.device, v.dtype)
         rq, rk = rotate_with_tables(fq, *tables), rotate_with_tables(fk, *tables)
     S = rk.transpose(-1, -2) @ v  # (B, H, m, e)
     z = fk.sum(-2)  # (B, H, m)
@@ -162,7 +169,9 @@ def rotary_linear_attention(
             from ``torch._assert_async``, a RuntimeError when the graph runs).
         chunk_size, block_size: the chunk of the masked products and the block walked at once
             by the causal torch path (memory is O(block_size * m) plus O(N / block_size * m * e));
-            any values work. Default ``CHUNK`` and ``BLOCK``.
+            any values work. Default ``CHUNK`` and ``BLOCK``. On the chunk-parallel path
+            ``block_size`` is the segment (tokens whose per-chunk states are held at once;
+            default: all while they fit ``parallel.STATE_BYTES``).
 
     A keyword that would have no effect in the call is refused (ValueError naming it), not
     dropped: ``offset`` or a ``base`` other than the default with ``rotary=False``,
@@ -177,24 +186,34 @@ def rotary_linear_attention(
         ``torch.jit.trace`` of the causal path (use ``torch.compile``). B = 0, H = 0, N = 0 or
         e = 0 give empty results (N = 0: the state passes through).
 
-    Backends: a causal call takes the fused Triton kernels (``linear_rope.ops.triton``) where the
-    tensors are on CUDA, Triton is installed and the kernels take the call; the torch path
-    otherwise. ``LINEAR_ROPE_BACKEND=torch|triton|auto`` forces either (``triton`` raises with the
-    reason for a call the kernels do not take); ``fla`` forces the fla-core path (``fla_path.py``,
-    causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the reason otherwise),
-    which ``auto`` does not pick until a GPU measures it (docs/gpu.md, "Cost model"). Inside
-    ``torch.compile`` the op is the custom op ``linear_rope::chunk_causal`` (the torch path)
-    whatever the backend. Under the ``torch.func`` transforms and forward-mode AD the causal path
-    is ``composite_causal`` (correct tangents, batching and higher derivatives).
+    Backends (``LINEAR_ROPE_BACKEND``): ``auto`` (the default) runs a causal call on CUDA
+    tensors through the chunk-parallel path (``parallel.py``: plain torch ops, a fixed number of
+    kernels at any N, no host sync, bf16 tensor-core products under a bf16 autocast), and on
+    other devices through the torch path (the custom op's block walk, the fastest on a CPU).
+    ``parallel`` takes the chunk-parallel path on any device; ``torch`` the torch path. On the
+    chunk-parallel path the checks that read tensor values (features >= 0, a finite projection
+    and state, offsets in range, a finite final key sum) are off unless ``LINEAR_ROPE_CHECKS=1``
+    (each would make the GPU wait); packed documents (``cu_seqlens``) go to the torch path there,
+    with the reason recorded (``record_paths``). ``triton`` takes the fused Triton kernels
+    (``linear_rope.ops.triton``; raises with the reason for a call they do not take), which
+    ``auto`` picks only once a GPU run in this process has measured them faster than the
+    chunk-parallel path (``dispatch.note_triton_measured``). ``fla`` forces the fla-core path
+    (``fla_path.py``, causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the
+    reason otherwise). Inside ``torch.compile`` the op is the chunk-parallel path's plain ops
+    where the backend picks it, else the custom op ``linear_rope::chunk_causal``. Under the
+    ``torch.func`` transforms and forward-mode AD the causal path is ``composite_causal``
+    (correct tangents, batching and higher derivatives).
 
     Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
     (or packed document) with its state, and so is this op for finite features anywhere in the
     float32 range (see ``utils.normalise_scale``); a final state whose key sum overflows is a
     ValueError (a RuntimeError from ``torch._assert_async`` under ``torch.compile``).
     """
+    par = isinstance(q, torch.Tensor) and takes_parallel(q)  # the chunk-parallel backend: no host syncs
+    read = not par or checks_enabled()
     a = check_args(q, k, v, Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection,
                    mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                   allow_negative=allow_negative, output_final_state=output_final_state))
+                   allow_negative=allow_negative, output_final_state=output_final_state), read_values=read)
     sizes = chunk_size is not None or block_size is not None
     for name, val in (("chunk_size", chunk_size), ("block_size", block_size)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -202,10 +221,11 @@ def rotary_linear_attention(
     if sizes and not causal:
         raise ValueError("chunk_size / block_size: the bidirectional closed form walks no chunks, so they have no "
                          "effect with causal=False; leave them out")
-    if causal and torch.jit.is_tracing():
+    transformed = is_transformed(q, k, v, *(a.state or ()))
+    par = par and not transformed and a.docs is None  # packed documents: the torch path (PACKED_REASON)
+    if causal and torch.jit.is_tracing() and not par:
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
-    transformed = is_transformed(q, k, v, *(a.state or ()))
     if backend() == "fla" and not is_compiling() and not transformed:  # forced: fla-core's kernels or an error
         return _forced_fla(q, k, v, dict(causal=causal, rotary=rotary, offset=offset, base=base,
                                          projection=projection, mask=mask, key_mask=key_mask, cu_seqlens=cu_seqlens,
@@ -225,24 +245,26 @@ def rotary_linear_attention(
                     if backend() == "triton":
                         raise
                     fallback(str(e))
-                    record(f"torch path ({e})", replace=True)
+                    record(f"{'parallel' if par else 'torch'} path ({e})", replace=True)
             elif backend() == "triton":
                 raise ValueError(f"chunk_size / block_size: the Triton kernels pick their own chunk, so they have no "
                                  f"effect with {ENV_VAR}=triton; leave them out, or set {ENV_VAR}=torch")
-            else:  # auto: explicit sizes keep the call on the torch path, where they apply
+            elif not par:  # auto: explicit sizes keep the call on the torch path, where they apply
                 record("torch path (chunk_size / block_size given: they apply on the torch path)", replace=True)
+        if a.docs is not None and takes_parallel(q):
+            record(f"torch path ({PACKED_REASON})", replace=True)
     out_dtype = v.dtype
-    cdt = table_dtype(q.dtype)
+    cdt, lowp = compute_dtypes(q.dtype, q.device.type)
     B, H, N, e = q.shape[:3] + v.shape[-1:]
     if B * H == 0 or N == 0:
         return _empty(q, k, v, a, cdt, output_final_state)
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-        if not causal or transformed:  # (the custom op selects padding away block by block, in copies it makes anyway)
+        if not causal or transformed or par:  # (the custom op selects padding away block by block, in its copies)
             q, k, v = _drop_padding(q, k, v, a)
         state, sk = a.state, None
         if projection is None:  # FAVOR+ features inside are stabilised already
-            q, k, state, sk = normalise_scale(q, k, a.kmask, state, a.docs)
+            q, k, state, sk = normalise_scale(q, k, a.kmask, state, a.docs, sync=not par)
         if e == 0:  # no value columns: one zero column keeps every path's shapes, z stays right
             v = F.pad(v, (0, 1))
             state = None if state is None else LinearAttentionState(F.pad(state.S, (0, 1)), state.z)
@@ -252,7 +274,11 @@ def rotary_linear_attention(
         cu = () if a.docs is None else (0, *(end for _, end in a.docs))
         cfg = OpConfig(chunk_size or CHUNK, block_size or BLOCK, a.offset if isinstance(a.offset, int) else 0, rotary,
                        cu, float(base))
-        if causal:
+        if causal and par:
+            C = min(chunk_size or CHUNK, N)
+            seg = segment_tokens(B, H, N, a.m, v.shape[-1], C, block_size)
+            path = functools.partial(_parallel, C=C, lowp=lowp, segment=seg)
+        elif causal:
             path = composite_causal if transformed else _causal
         else:
             path = _bidirectional if a.docs is None else _documents
@@ -263,7 +289,7 @@ def rotary_linear_attention(
     if not output_final_state:
         return out
     S = S[..., :e]
-    return out, (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk))
+    return out, (LinearAttentionState(S, z) if sk is None else check_final_state(S, z, sk, read_values=read))
 
 
 def _forced_fla(q, k, v, kw):

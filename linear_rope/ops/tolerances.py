@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HALF_CONTRACT", "check", "rounded_error", "tolerance", "triton_tolerance"]
+__all__ = ["HALF_CONTRACT", "PARALLEL_BF16_CONTRACT", "check", "rounded_error", "tolerance", "triton_tolerance"]
 
 HALF_CONTRACT = 2.0  # bf16 / fp16 inputs: error at most this times float32's, rounded to the input dtype
 
@@ -80,3 +80,18 @@ def rounded_error(fp32: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     scale = 2.0 ** torch.tensor(top).clamp_min(1e-38).log2().floor().item() if top > 0 else 1.0
     rounded = (a / scale).to(dtype).double() * scale
     return float((rounded - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+# The chunk-parallel path (``parallel.py``) under a bf16 autocast, or with bf16 inputs: its chunk
+# products take bf16 operands with float32 results (the scores of the masked products split in
+# two bf16 parts, so that their rounding does not add to the features'); the FAVOR+ exponents,
+# the rotation, the sums over chunks and the denominator run in float32. Contract: the error of
+# its output and final state (max |err| / max |ref| against the float64 op on the exact inputs)
+# is within this factor of the float64 op's own error on the bf16-rounded features and values,
+# the unavoidable error of bf16 operands (tests/test_parallel.py, in float64 on the CPU, where
+# float32 products of bf16-rounded operands are exactly what the tensor cores compute; measured
+# 0.6-1.9x at N = 300, m = 32). Its gradients: within this factor of that error plus 2^-9 x max
+# (the backward's GEMMs round the upstream gradient to bf16, as flash attention's do; dv, which
+# the rounded features hardly move, is the one that sees it: measured 9-13x the rounded
+# operands' error alone, 0.4-1.3x with the 2^-9 term).
+PARALLEL_BF16_CONTRACT = 2.0

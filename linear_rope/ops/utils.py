@@ -73,7 +73,7 @@ def _check_non_negative(name: str, t: torch.Tensor, real: torch.Tensor | None = 
         raise ValueError(msg.replace("non-negative;", f"non-negative (min {low:.3g});"))
 
 
-def normalise_scale(q, k, kmask, state, docs=None):
+def normalise_scale(q, k, kmask, state, docs=None, sync: bool = True):
     """Eq. 19 is unchanged when phi(q_t) is scaled per query, and when every phi(k) of a row (or
     of a packed document) and that row's state (S0, z0) are scaled together. Where a query's
     largest feature, or the largest key feature or z0 entry of a row or document, lies outside
@@ -88,7 +88,8 @@ def normalise_scale(q, k, kmask, state, docs=None):
     q, k `[B, H, N or M, m]` features, kmask `[B, M]` or None, state per row or document, docs
     the [start, end) of packed documents (B = 1) or None. Returns q, k, state scaled, and the
     key scale `[rows, H, 1, 1]` (rows: B, or the documents) to multiply the final state by (it
-    is in the caller's scale again).
+    is in the caller's scale again). ``sync=False``: always divide (two passes), never ask the
+    device whether every scale is 1 (a host sync).
     """
 
     def pow2(x):  # the power of two at or below x outside [2^-32, 2^32]; 1 inside, and at 0
@@ -117,16 +118,18 @@ def normalise_scale(q, k, kmask, state, docs=None):
     skt = sk if seg is None else sk[:, :, 0, 0].t()[None, :, seg, None]  # (B, H, 1 or M, 1): each key's
     if state is not None:
         state = LinearAttentionState(state.S / sk.to(state.S.dtype), state.z / sk[..., 0].to(state.z.dtype))
-    if not is_static() and not bool(((sq != 1).any() | (sk != 1).any())):
+    if sync and not is_static() and not bool(((sq != 1).any() | (sk != 1).any())):
         return q, k, state, sk  # every scale is 1 (the usual case): no pass over q and k, none in the backward
     return q / sq, k / skt, state, sk
 
 
-def check_final_state(S: torch.Tensor, z: torch.Tensor, sk: torch.Tensor) -> LinearAttentionState:
+def check_final_state(S: torch.Tensor, z: torch.Tensor, sk: torch.Tensor,
+                      read_values: bool = True) -> LinearAttentionState:
     """The final state back in the caller's scale; a clear error where the key sums overflow it
-    (under ``torch.compile`` the same message from ``torch._assert_async``, see ``checks.require``)."""
+    (under ``torch.compile`` the same message from ``torch._assert_async``, see ``checks.require``).
+    ``read_values=False``: no check (it reads a value: a host sync)."""
     S, z = S * sk, z * sk[..., 0]
-    if z.numel():
+    if read_values and z.numel():
         require(torch.isfinite(z).all(),
                 f"k: the final state's key sum z is not finite in {z.dtype} (features near the top of its range, "
                 "or not finite): the output is scale invariant, the state is not; scale phi(k) down to chain calls")
@@ -155,8 +158,9 @@ def check_cu_seqlens(cu, B: int, N: int) -> list[tuple[int, int]]:
     return list(zip(c[:-1], c[1:]))  # empty documents (equal neighbours) are allowed
 
 
-def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_state"):
-    """A ``LinearAttentionState`` (or an (S, z) pair) of shapes `[rows, H, m, e]`, `[rows, H, m]`."""
+def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_state", read_values: bool = True):
+    """A ``LinearAttentionState`` (or an (S, z) pair) of shapes `[rows, H, m, e]`, `[rows, H, m]`;
+    finite (``read_values``: that check reads values, a host sync)."""
     if state is None:
         return None
     if not (isinstance(state, tuple) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
@@ -169,7 +173,7 @@ def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_s
         )
     if not (S.is_floating_point() and z.is_floating_point()):
         raise ValueError(f"{name} must be floating point, got {S.dtype} / {z.dtype}")
-    if S.numel() + z.numel():  # a NaN z would make the denominator NaN, never "0": refuse it here
+    if read_values and S.numel() + z.numel():  # a NaN z would make the denominator NaN, never "0": refuse it here
         require(torch.isfinite(S).all() & torch.isfinite(z).all(),
                 f"{name}: S and z must be finite (a NaN or inf state has no meaning to continue from)")
     return LinearAttentionState(S, z)
@@ -224,9 +228,12 @@ def _check_ignored(o: Options) -> None:
                          "leave it out")
 
 
-def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Args:
+def check_args(q, k, v, opts: Options, state_name: str = "initial_state", read_values: bool = True) -> Args:
     """Every check of ``rotary_linear_attention``; ValueError naming the argument (the state's
-    as ``state_name``)."""
+    as ``state_name``). ``read_values=False`` (the chunk-parallel path, unless
+    ``LINEAR_ROPE_CHECKS=1``) leaves out the checks that read tensor values, each a host sync:
+    features >= 0, a finite projection and initial state, per-row offsets within
+    [0, MAX_POSITION]; shapes, dtypes and flags are checked all the same."""
     causal, rotary, offset, base, projection, mask, key_mask, cu_seqlens, initial_state, allow_negative, _ = opts
     for name in ("causal", "rotary", "allow_negative", "output_final_state"):
         check_flag(name, getattr(opts, name))
@@ -263,10 +270,12 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Arg
         m = projection.shape[0]
         if m == 0:
             raise ValueError(f"projection has 0 rows: FAVOR+ needs m >= 1 features, got shape {list(projection.shape)}")
-        require(torch.isfinite(projection).all(), "projection must be finite (a NaN or inf row makes every output NaN)")
+        if read_values:
+            require(torch.isfinite(projection).all(),
+                    "projection must be finite (a NaN or inf row makes every output NaN)")
     else:
         m = x
-        if not allow_negative:  # padding (masked tokens) is not read: it may hold anything
+        if not allow_negative and read_values:  # padding (masked tokens) is not read: it may hold anything
             _check_non_negative("q", q, qmask)
             _check_non_negative("k", k, kmask)
     if rotary and m % 2:
@@ -276,10 +285,16 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state") -> Arg
     _check_ignored(opts)
     docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, N)
     rows = B if docs is None else len(docs)
-    offset = check_offset(offset, rows=rows)
-    if rotary:
-        check_last_position(offset, N if docs is None else max(e - s for s, e in docs))
-    state = check_state(initial_state, rows, H, m, v.shape[-1], state_name)
+    if read_values or not isinstance(offset, torch.Tensor):
+        offset = check_offset(offset, rows=rows)
+        if rotary:
+            check_last_position(offset, N if docs is None else max(e - s for s, e in docs))
+    else:  # the values' range is not read (a host sync); dtype and shape are
+        if offset.dtype not in (torch.int32, torch.int64) or offset.shape != (rows,):
+            raise ValueError(f"offset must be an int or an integer tensor [{rows}], got "
+                             f"{offset.dtype} {tuple(offset.shape)}")
+        offset = offset.long()
+    state = check_state(initial_state, rows, H, m, v.shape[-1], state_name, read_values)
     positions = None
     if rotary:  # the positions every path uses, packed documents included
         positions = token_positions(offset, N, qmask, device=q.device, docs=docs)

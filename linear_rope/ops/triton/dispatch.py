@@ -2,10 +2,13 @@
 cannot run. Imports Triton only when a call could take the kernels.
 
 ``should_use_triton(q, k, v, **kwargs)`` is the one question the op asks: the backend comes from
-``force`` (``"torch"``, ``"triton"``, ``"auto"``), else the ``LINEAR_ROPE_BACKEND`` environment
-variable, else ``"auto"``.
+``force`` (``"torch"``, ``"parallel"``, ``"triton"``, ``"auto"``), else the ``LINEAR_ROPE_BACKEND``
+environment variable, else ``"auto"``; ``takes_parallel`` the second.
 
-* ``auto`` takes the kernels for CUDA tensors of at most ``AUTO_KERNEL_ROWS`` query rows (B * H * N:
+* ``auto`` takes the chunk-parallel path (``ops/parallel.py``) for CUDA tensors, and the torch
+  path's block walk on other devices (the fastest there). The Triton kernels are opt-in: ``auto``
+  takes them only once a GPU run in this process has measured them faster than the chunk-parallel
+  path (``note_triton_measured``), and then only for CUDA tensors of at most ``AUTO_KERNEL_ROWS`` query rows (B * H * N:
   above that a GPU measured the torch path faster) where they can run: Triton imports, its version
   is one the kernels are tested with (``TRITON_TESTED``), the GPU's compute capability is one the
   kernels were built and checked for (``CAPABILITIES``: the sm_80 and sm_90 builds of
@@ -16,7 +19,8 @@ variable, else ``"auto"``.
   ``TRITON_INTERPRET=1``, set before Triton is imported) and raises with the reason otherwise,
   and when a kernel fails: never a silent fallback. An untested Triton version or capability is
   tried when forced.
-* ``torch`` never takes them.
+* ``torch`` never takes them: the block walk of ``ops/chunk_op.py`` on any device.
+* ``parallel`` takes the chunk-parallel path on any device (so that the CPU can test and count it).
 * ``fla`` takes neither: the op sends every call to the fla-core path (``ops/fla_path.py``),
   which raises with the reason for a call it does not take. ``auto`` never picks fla: no GPU has
   timed it yet (the first run's op-speed part ran out of time before its cells).
@@ -34,13 +38,13 @@ import sys
 
 import torch
 
-__all__ = ["AUTO_KERNEL_ROWS", "BACKENDS", "BF16_TENSOR_CORES", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES",
+__all__ = ["AUTO_KERNEL_ROWS", "BACKENDS", "note_triton_measured", "takes_parallel", "BF16_TENSOR_CORES", "CAPABILITIES", "ENV_VAR", "GPU_DTYPES",
            "MAX_HEAD_DIM", "TRITON_TESTED", "KernelError", "record_paths", "dispatch_configs", "fallback",
            "fallbacks", "kernel_status", "pick_config", "should_use_triton", "supports", "triton_available",
            "use_backend", "check_backend"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
-BACKENDS = ("auto", "torch", "triton", "fla")
+BACKENDS = ("auto", "torch", "parallel", "triton", "fla")
 MAX_HEAD_DIM = 64  # d and e, padded to this (the paper's 64): the ahead-of-time builds check this size
 NUM_STAGES = 2  # the block loop's loads (projection rows, chunk states) pipelined one block ahead
 NUM_WARPS = 4  # 128 threads per program: the chunk-parallel grid has NT x BH programs to fill the SMs
@@ -135,10 +139,11 @@ _FALLBACKS: dict[str, int] = {}  # reason -> calls that fell back for it, in ord
 
 
 def fallback(reason: str) -> None:
-    """Record that a call took the torch path because the kernels could not run, and say so on
-    stderr the first time a reason occurs in this process (one line)."""
+    """Record that a call took the torch ops (the chunk-parallel path on CUDA, else the torch
+    path) because the kernels could not run, and say so on stderr the first time a reason
+    occurs in this process (one line)."""
     if reason not in _FALLBACKS:
-        print(f"linear_rope: warning: Triton kernels unavailable, using the torch path: {reason}", file=sys.stderr,
+        print(f"linear_rope: warning: Triton kernels unavailable, using the torch ops: {reason}", file=sys.stderr,
               flush=True)
     _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
 
@@ -154,6 +159,25 @@ def fallbacks() -> dict[str, int]:
 # step (B * H * N = 16 * 12 * 1024) ran 1.29x faster on the torch path (91146 vs 70589
 # tokens/s). Between the two sizes nothing was measured yet.
 AUTO_KERNEL_ROWS = 12 * 1024
+
+# Whether a GPU run in this process measured the Triton kernels faster than the chunk-parallel path
+# (``note_triton_measured``): until then ``auto`` does not pick them.
+_TRITON_MEASURED_FASTER = False
+
+
+def note_triton_measured(faster: bool) -> None:
+    """A GPU run in this process timed the Triton kernels against the chunk-parallel path: with
+    ``faster`` True, ``auto`` takes the kernels for the CUDA calls they take (up to
+    ``AUTO_KERNEL_ROWS``); False, it keeps the chunk-parallel path."""
+    global _TRITON_MEASURED_FASTER
+    _TRITON_MEASURED_FASTER = bool(faster)
+
+
+def takes_parallel(q: torch.Tensor, name: str | None = None) -> bool:
+    """Whether the backend (``name``, else ``backend()``) sends a call on ``q`` to the
+    chunk-parallel path: ``parallel`` anywhere, ``auto`` for CUDA tensors."""
+    name = backend() if name is None else name
+    return name == "parallel" or (name == "auto" and _on_gpu(q))
 
 # bf16 inputs on bf16 tensor cores ("bf16x3" / "bf16w3"): the first GPU run (an H200, Triton 3.6.0,
 # benchmarks/results/gpu_triage.json) met an illegal memory access in the dk, dv kernel (and in
@@ -228,7 +252,7 @@ _OVERRIDE: list[str] = []  # use_backend's stack (innermost last)
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Within the block, calls take backend ``name`` ("auto", "torch", "triton" or "fla") as if
+    """Within the block, calls take backend ``name`` ("auto", "torch", "parallel", "triton" or "fla") as if
     ``LINEAR_ROPE_BACKEND`` said so: e.g. to time both paths through the public op."""
     if name not in BACKENDS:
         raise ValueError(f"use_backend: name must be one of {BACKENDS}, got {name!r}")
@@ -255,7 +279,8 @@ _RECORDERS: list[list[str]] = []
 @contextlib.contextmanager
 def record_paths():
     """Within the block, every causal op call appends the path it takes to the yielded list:
-    "triton kernels (sm_90, triton 3.6.0)" or "torch path (<reason>)" (the trainer's probe)."""
+    "triton kernels (sm_90, triton 3.6.0)", "parallel path (<reason>)" or "torch path (<reason>)"
+    (the trainer's probe)."""
     paths: list[str] = []
     _RECORDERS.append(paths)
     try:
@@ -280,23 +305,29 @@ def _decide(q, k, v, force, kwargs) -> tuple[bool, str]:
         return False, "fla path (forced)"
     if name == "torch":
         return False, f"torch path ({ENV_VAR}=torch)" if not force and not _OVERRIDE else "torch path (forced)"
+    if name == "parallel":
+        return False, f"parallel path ({ENV_VAR}=parallel)" if not force and not _OVERRIDE else "parallel path (forced)"
+    if name == "auto" and _on_gpu(q) and not _TRITON_MEASURED_FASTER:
+        return False, ("parallel path (auto on CUDA: the Triton kernels are opt-in until a run in this process "
+                       "measures them faster)")
+    other = "parallel path" if takes_parallel(q, name) else "torch path"  # where a call the kernels do not take goes
     ok, why = supports(q, k, v, **kwargs)
     if name == "triton" and not ok:
         raise ValueError(f"backend 'triton' was forced, but {why}")
     if not ok:
-        return False, f"torch path ({why})"
+        return False, f"{other} ({why})"
     if name == "auto" and not _on_gpu(q):
-        return False, f"torch path (tensors on {q.device.type}: the kernels run on CUDA)"
+        return False, f"{other} (tensors on {q.device.type}: the kernels run on CUDA)"
     rows = q.shape[:-1].numel()
     if name == "auto" and rows > AUTO_KERNEL_ROWS:
-        return False, f"torch path (auto: B*H*N = {rows} > {AUTO_KERNEL_ROWS}, where a GPU measured it faster)"
+        return False, f"{other} (auto: B*H*N = {rows} > {AUTO_KERNEL_ROWS}, where a GPU measured it faster)"
     ready, why = kernel_status(q.device if _on_gpu(q) else None, forced=name == "triton")
     if not ready:
         if name == "triton":
             raise ValueError(f"backend 'triton' was forced, but {why}")
         if triton_available():  # installed but unusable: say so; not installed is the plain torch path
             fallback(why)
-        return False, f"torch path ({why})"
+        return False, f"{other} ({why})"
     return True, why
 
 
