@@ -3,9 +3,10 @@ back from the device, and ``Trainer.train_step`` reads nothing between logging i
 non-finite step is never applied (gated on the device) and is reported at the next interval.
 The model compiles whole (``fullgraph=True``) with no graph break.
 
-Syncs are counted with ``sync_count`` and attributed to the innermost package frame. Those in
-``linear_rope/ops/`` (the attention op's own argument checks) are left out while ``OUTSIDE`` is
-set; set it to None (or ``LINEAR_ROPE_SYNCS_OUTSIDE=`` in the environment) to count every sync.
+Syncs are counted with ``sync_count`` and attributed to the innermost package frame, every one
+of them, on the chunk-parallel path (``LINEAR_ROPE_BACKEND=parallel``, what ``auto`` takes on
+CUDA). ``LINEAR_ROPE_SYNCS_OUTSIDE=linear_rope/ops/`` leaves out those inside the op (the CPU's
+torch path still checks its projection's values on every call).
 """
 from __future__ import annotations
 
@@ -22,9 +23,14 @@ from linear_rope.enwik8.trainer import NonFiniteError, Trainer
 from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
 from sync_count import count
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "parallel_path")
 
-OUTSIDE = os.environ.get("LINEAR_ROPE_SYNCS_OUTSIDE", "linear_rope/ops/") or None
+OUTSIDE = os.environ.get("LINEAR_ROPE_SYNCS_OUTSIDE", "") or None
+
+
+@pytest.fixture
+def parallel_path(monkeypatch):
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", "parallel")
 
 # the paper preset's shape of model (every option as in paper), 2 layers at a small width
 SMALL_PAPER = {**MODEL_PRESETS["paper"], "dim": 64, "depth": 2, "heads": 2, "dim_head": 32, "nb_features": 32,
