@@ -76,7 +76,7 @@ def child(name: str) -> None:
     out = CH.rotary_linear_attention(q, k, v, projection=W)
     out.float().sum().backward()
     sync()
-    from linear_rope.ops.chunk import rotary_linear_attention as torch_op
+    from linear_rope.ops.api import rotary_linear_attention as torch_op
     from linear_rope.ops.triton import use_backend
     with use_backend("torch"):
         r = torch_op(q.detach().double(), k.detach().double(), v.detach().double(), projection=W.double())

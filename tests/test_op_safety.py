@@ -405,7 +405,7 @@ def test_chunk_sizes_where_the_triton_kernels_are_forced(monkeypatch):
     from linear_rope.ops.triton import dispatch
 
     q, k, v, _ = make(1, 6, False)
-    monkeypatch.setattr("linear_rope.ops.chunk.should_use_triton", lambda *a, **kw: True)
+    monkeypatch.setattr("linear_rope.ops.api.should_use_triton", lambda *a, **kw: True)
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     with pytest.raises(ValueError, match="chunk_size / block_size: the Triton kernels pick their own chunk"):
         fast(q, k, v, chunk_size=4)

@@ -190,7 +190,7 @@ def test_nan_in_real_tokens_propagates_as_on_the_torch_path():
     One difference, at the NaN token's own dk: the kernels select where the clamped key
     exponent passes its gradient (a NaN exponent passes none), torch's clamp multiplies by that
     mask (NaN * 0), so 7 of its 8 entries are finite here and NaN there."""
-    from linear_rope.ops.chunk import rotary_linear_attention as torch_op
+    from linear_rope.ops.api import rotary_linear_attention as torch_op
     from linear_rope.ops.triton.dispatch import use_backend
 
     (q, k, v), w = _inputs(torch.float64, 70, fused=True)

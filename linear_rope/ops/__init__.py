@@ -5,9 +5,11 @@ cu_seqlens, initial_state, output_final_state, allow_negative)`` and return `[B,
 ``(out, LinearAttentionState)`` with ``output_final_state``:
 
 * ``naive.py``     the O(N^2) reference: the one place Eq. 19 is written out in full;
-* ``chunk.py``     the fast path (``rotary_linear_attention``): chunked causal as the custom op
-                   of ``chunk_op.py`` (forward ``chunk_fwd.py``, backward ``chunk_bwd.py``,
-                   layout ``layout.py``), closed-form bidirectional;
+* ``api.py``       the public op (``rotary_linear_attention``): checks once, picks a path, records
+                   which and calls it (``prepare.py``: the torch paths' common preparation);
+* ``chunk.py``     the torch path: chunked causal as the custom op of ``chunk_op.py`` (forward
+                   ``chunk_fwd.py``, backward ``chunk_bwd.py``, layout ``layout.py``),
+                   closed-form bidirectional;
 * ``parallel.py``  the chunk-parallel causal path in a fixed number of plain torch ops, no
                    host syncs, bf16 tensor-core products under a bf16 autocast: the default on
                    CUDA (``LINEAR_ROPE_BACKEND=parallel`` anywhere);
@@ -20,7 +22,7 @@ cu_seqlens, initial_state, output_final_state, allow_negative)`` and return `[B,
 * ``fla_compat.py`` ``chunk_rotary_linear_attn``: the fast path in fla's `[B, T, H, .]` layout and
                    signature.
 """
-from .chunk import rotary_linear_attention
+from .api import rotary_linear_attention
 from .fla_compat import chunk_rotary_linear_attn
 from .naive import eq19_weights, naive_rotary_linear_attention
 from .recurrent import recurrent_rotary_linear_attention, rotary_linear_attention_step

@@ -11,7 +11,7 @@ O(N C + N / C * m e) as on the fast path; time is a few times the fast path's (n
 kept, no in-place walk), which is the price of the transforms.
 
 Layout `[B, H, N, x]`. Inputs come checked, in the compute dtype, padding already dropped (zero)
-and scaled (``chunk.rotary_linear_attention``).
+and scaled (``prepare.run_torch``).
 """
 from __future__ import annotations
 

@@ -42,10 +42,10 @@ inside (``projection``), ``chunk_size`` (C) and ``block_size`` (the segment) run
 ``cu_seqlens`` does not: its values set the shapes of the chunk layout (every document padded
 to whole chunks), and reading them is a host sync; the op sends such calls to the torch path and
 records why (``PACKED_REASON``). The bidirectional closed form is plain ops already
-(``chunk._bidirectional``).
+(``chunk.bidirectional``).
 
 Inputs come checked (``utils.check_args``), in the compute dtype, with padding selected away,
-from ``chunk.rotary_linear_attention``; this module does not import it.
+from ``prepare.run_torch``, which the op (``api.py``) calls; this module imports neither.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from ...rotary import rotary_tables, table_dtype
 from ..utils import LinearAttentionState, Options, check_args
 from . import chunk_kernels as CK
 from . import kernels as K
-from .dispatch import KernelError, backend, fallback, pick_config, supports, use_backend
+from .dispatch import KernelError, backend, fallback, pick_config, supports
 
 __all__ = ["rotary_linear_attention"]
 
@@ -147,7 +147,7 @@ class _TritonCausal(torch.autograd.Function):
                     q, k, v, *_ptrs(meta, names, v, dh, dhz, dn, dden, dv), *meta["dims"],
                     _flags(meta, False, False), FAVOR=favor, ACC=_acc(cdt), **cc)
         except KernelError as err:
-            if meta["forced"]:
+            if meta["forced"] or meta["torch_fn"] is None:
                 raise
             fallback(str(err))
             return _torch_backward(ctx, g, gS if has_g else None, gz if has_g else None)
@@ -191,6 +191,7 @@ def rotary_linear_attention(
     allow_negative: bool = False,
     chunk_size: int | None = None,
     block_size: int | None = None,
+    torch_path=None,
 ):
     """``linear_rope.ops.rotary_linear_attention`` on the Triton kernels (see ``supports``).
 
@@ -201,6 +202,11 @@ def rotary_linear_attention(
     as in the torch path). ``chunk_size`` / ``block_size`` are refused (the kernel's chunk comes
     from ``dispatch.pick_config``): a ValueError with the reason, as for every call ``supports``
     refuses.
+
+    A kernel that fails to build or launch raises ``KernelError``. ``torch_path``: the op on
+    the torch path, ``(q, k, v, **keywords) -> (out, state)``, which the backward recomputes the
+    forward on when one of its kernels fails (the public op passes it; without it, and where
+    ``LINEAR_ROPE_BACKEND=triton`` forces the kernels, that backward raises).
     """
     kw = dict(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
               key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state, allow_negative=allow_negative)
@@ -242,9 +248,10 @@ def rotary_linear_attention(
         tab_rows = 1 if cos is None or cos.dim() == 2 else cos.shape[0]
         dims = (N, H, m, x if projection is not None else m, e, (m + 1) // 2, x, tab_rows,
                 key_exponent_floor(cdt))
+        shape = (B, H, N, x, m, e)
         meta = dict(cfg=cfg, m=m, cdt=cdt, w=w, wp=wp, c=c, km=km, qmask=qm, qmax=qmax, cos=cos, sin=sin, dims=dims,
                     store_state=output_final_state, forced=backend() == "triton",
-                    torch_fn=lambda *t: _torch_path(t, (B, H, N, x, m, e), kw))
+                    torch_fn=None if torch_path is None else lambda *t: _torch_path(torch_path, t, shape, kw))
         out, S, z = _TritonCausal.apply(q3, k3, v3, S0, z0, meta)
     out = out.view(B, H, N, e).to(v.dtype)
     if not output_final_state:
@@ -253,14 +260,11 @@ def rotary_linear_attention(
 
 
 
-def _torch_path(tensors, shape, kw):
-    """The torch path on the kernels' flattened inputs (q3, k3, v3, S0, z0): (out, S, z) flattened
-    like the kernels' outputs, in the compute dtype."""
-    from ..chunk import rotary_linear_attention as op
-
+def _torch_path(op, tensors, shape, kw):
+    """``op`` (the torch path) on the kernels' flattened inputs (q3, k3, v3, S0, z0): (out, S, z)
+    flattened like the kernels' outputs, in the compute dtype."""
     B, H, N, x, m, e = shape
     q3, k3, v3, S0, z0 = tensors
     kw = dict(kw, initial_state=None if S0 is None else LinearAttentionState(S0.view(B, H, m, e), z0.view(B, H, m)))
-    with use_backend("torch"):
-        out, st = op(q3.view(B, H, N, x), k3.view(B, H, N, x), v3.view(B, H, N, e), output_final_state=True, **kw)
+    out, st = op(q3.view(B, H, N, x), k3.view(B, H, N, x), v3.view(B, H, N, e), output_final_state=True, **kw)
     return out.reshape(B * H, N, e), st.S.reshape(B * H, m, e), st.z.reshape(B * H, m)
