@@ -183,8 +183,11 @@ def test_out_of_range_ids_give_nan_logits_or_with_checks_a_value_error(monkeypat
 
 def test_the_model_compiles_whole_forward_and_backward():
     """A 2-layer copy of the paper preset: one graph (fullgraph=True), no graph break, forward
-    and backward (AOT autograd traces the joint graph)."""
+    and backward (AOT autograd traces the joint graph), and no opaque ``linear_rope`` custom op
+    in either graph: the compiler sees the attention's own ops."""
     import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
     torch.manual_seed(0)
     model = PerformerLM(ModelConfig(**SMALL_PAPER))
@@ -193,12 +196,45 @@ def test_the_model_compiles_whole_forward_and_backward():
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = compiled(x).float().logsumexp(-1).mean()
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+    assert any("bmm" in s for s in seen) and not [s for s in seen if "linear_rope" in s], seen
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_model_forward_and_backward():
+    """Inductor on the CPU compiles a 2-layer copy of the paper preset whole (fullgraph=True),
+    forward and backward, and the loss and gradients are eager's."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = PerformerLM(ModelConfig(**{**SMALL_PAPER, "feature_redraw_interval": 0}))
+    x = torch.randint(0, 256, (2, 64))
+
+    def loss_and_grads(m):
+        model.zero_grad()
+        loss = m(x).logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want, want_g = loss_and_grads(model)
+    torch._dynamo.reset()
+    got, got_g = loss_and_grads(torch.compile(model, fullgraph=True))
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
 def test_steps_after_a_stop_stay_unapplied_if_the_caller_goes_on(splits, tmp_path, monkeypatch):
