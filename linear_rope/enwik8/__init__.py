@@ -1,6 +1,7 @@
 """The Enwik8 ablation app, built on the library (which never imports it).
 
-    data.py        download / verify / split any byte corpus; batches; eval windows
+    fetch.py       read a compressed corpus, download, verify size and md5
+    data.py        split any byte corpus 90/5/5 into the cache; batches; eval windows
     config.py      TrainConfig, presets, the LR schedule, the resume check
     cli.py         the command line derived from ModelConfig and TrainConfig
     trainer.py     Trainer and TrainState (its state_dict is the checkpoint), evaluate
