@@ -103,8 +103,8 @@ class RunLog:
         w.add_scalar("test/bpc", metrics["test_bpc"], self.tc.steps)
         hparams = {f"{group}.{k}": ("None" if v is None else v)
                    for group, cfg in config.items() for k, v in cfg.items()}
-        w.add_hparams({"run": self.name, "attention": attention, **hparams}, {"hparam/val_bpc": metrics["val_bpc"],
-                                                 "hparam/test_bpc": metrics["test_bpc"]},
+        w.add_hparams({"run": self.name, "attention": attention, **hparams},
+                      {"hparam/val_bpc": metrics["val_bpc"], "hparam/test_bpc": metrics["test_bpc"]},
                       run_name=".")
 
     def flush(self) -> None:
