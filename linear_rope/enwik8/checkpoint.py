@@ -1,6 +1,6 @@
 """Crash-safe checkpoints: atomic writes, retention of the last N, safe loading, run-dir guard.
 
-A checkpoint is ``TrainState.state_dict()`` (``linear_rope.enwik8.trainer``). A run directory
+A checkpoint is ``TrainState.state_dict()`` (``linear_rope.enwik8.state``). A run directory
 holds ``ckpt-<step, 8 digits>.pt`` files, each written with ``files.atomic_write`` (temporary
 file, fsync, rename, directory fsync), so a crash (even ``kill -9`` or a power cut after the
 rename) leaves either the previous set of checkpoints or the new one, never a partial file under

@@ -1,4 +1,4 @@
-"""Byte-level data: enwik8 download/verify/split, any other corpus, batches, eval windows.
+"""Byte-level data: enwik8 or any other corpus split 90/5/5 and cached, batches, eval windows.
 
 Data lands on disk as three flat ``uint8`` files per corpus (nanoGPT style), in a cache folder
 that is never the working directory unless asked (:func:`cache_dir`: ``$LINEAR_ROPE_CACHE``, else
@@ -13,24 +13,16 @@ random crops with :func:`get_batch` from a dedicated ``torch.Generator``; evalua
 the whole split once with :func:`eval_batches`, so BPC is
 ``summed nats / count_eval_bytes(split) / ln 2``.
 
+The raw bytes come from :mod:`linear_rope.enwik8.fetch` (read a compressed file, download, verify).
 Every file is written with :func:`linear_rope.enwik8.files.atomic_write`, so an interrupted run
 never leaves a truncated download or split behind.
 """
 
 from __future__ import annotations
 
-import bz2
-import gzip
 import hashlib
-import http.client
-import lzma
 import os
 import re
-import sys
-import urllib.error
-import urllib.request
-import zipfile
-import zlib
 from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -38,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .fetch import DataError, download, read_corpus, verify_bytes
 from .files import atomic_write
 
 __all__ = [
@@ -56,13 +49,6 @@ CACHE_ENV = "LINEAR_ROPE_CACHE"  # the cache folder, if set (else the XDG one)
 FRACTIONS = (0.9, 0.05, 0.05)
 MIN_SPLIT_BYTES = 2  # a split needs at least one (input, target) pair
 
-_CHUNK = 1 << 20
-_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-
-
-class DataError(Exception):
-    """Clear, one-line, user-facing error (the CLI prints it and exits 2)."""
-
 
 # --------------------------------------------------------------------------- cache
 
@@ -77,120 +63,6 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "linear_rope"
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def read_corpus(path) -> bytes:
-    """Return the raw bytes of a ``.zip``, ``.gz``, ``.bz2``, ``.xz`` or plain file.
-
-    A zip must hold one file, or one member named like the archive's stem (``enwik8`` in
-    ``enwik8.zip``). The format is chosen by suffix (case-insensitive).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".zip":
-            return _read_zip(path)
-        if suffix in _OPENERS:
-            with _OPENERS[suffix](path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
-    except (zipfile.BadZipFile, zlib.error, lzma.LZMAError, EOFError, OSError) as e:
-        raise DataError(f"cannot read {path}: {e} (corrupt or truncated file?)") from None
-
-
-def _read_zip(path: Path) -> bytes:
-    with zipfile.ZipFile(path) as zf:
-        members = [m for m in zf.infolist() if not m.is_dir()]
-        if not members:
-            raise DataError(f"zip archive {path} is empty")
-        if len(members) > 1:
-            named = [m for m in members if Path(m.filename).name == path.stem]
-            if len(named) != 1:
-                names = ", ".join(m.filename for m in members)
-                raise DataError(f"zip archive {path} has several members ({names}) "
-                                f"and none is uniquely named {path.stem!r}")
-            members = named
-        return zf.read(members[0])
-
-
-def verify_bytes(raw: bytes, *, size: int | None = None, md5: str | None = None,
-                 name: str = "data") -> None:
-    """Raise :class:`DataError` unless ``raw`` has ``size`` bytes and md5 ``md5`` (if given)."""
-    if size is not None and len(raw) != size:
-        raise DataError(f"{name} has {len(raw)} bytes, expected {size} "
-                        f"(truncated or wrong file?)")
-    if md5 is not None:
-        got = hashlib.md5(raw, usedforsecurity=False).hexdigest()
-        if got != md5.lower():
-            raise DataError(f"checksum mismatch for {name}: md5 got {got}, expected {md5}")
-
-
-# --------------------------------------------------------------------------- download
-
-
-def download(url: str, dest, *, md5: str | None = None, size: int | None = None,
-             timeout: float = 60.0) -> Path:
-    """Stream ``url`` to ``dest`` atomically, checking the downloaded file's size and md5.
-
-    The bytes go to a temporary file beside ``dest``, which is moved into place only after
-    every check passes. On any failure (HTTP status, connection, mismatch, Ctrl-C) the
-    temporary file is removed and ``dest`` is left untouched; network and check failures
-    raise :class:`DataError`, ``KeyboardInterrupt`` propagates as is.
-    """
-    dest = Path(dest)
-
-    def fetch(f) -> None:
-        got_size, got_md5 = _stream(url, f, timeout, f"downloading {url} -> {dest}")
-        if size is not None and got_size != size:
-            raise DataError(f"download of {url} failed: got {got_size} bytes, "
-                            f"expected {size} (truncated?)")
-        if md5 is not None and got_md5 != md5.lower():
-            raise DataError(f"checksum mismatch for {url}: md5 got {got_md5}, expected {md5}")
-
-    try:
-        atomic_write(dest, fetch)
-    except urllib.error.HTTPError as e:
-        raise DataError(f"download of {url} failed: HTTP {e.code} {e.reason}") from None
-    except urllib.error.URLError as e:
-        raise DataError(f"download of {url} failed: {e.reason}") from None
-    except (OSError, http.client.HTTPException) as e:
-        raise DataError(f"download of {url} failed: {type(e).__name__}: {e}") from None
-    return dest
-
-
-def _stream(url: str, f, timeout: float, note: str) -> tuple[int, str]:
-    """Copy the response body of ``url`` into ``f``; return (bytes written, md5 hex). ``note``
-    goes to stderr once the server has answered (offline, the error is the only line)."""
-    digest, written = hashlib.md5(usedforsecurity=False), 0
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        print(note, file=sys.stderr)
-        total = resp.headers.get("Content-Length")
-        bar = _progress_bar(int(total) if total else None, Path(url).name)
-        try:
-            while chunk := resp.read(_CHUNK):
-                f.write(chunk)
-                digest.update(chunk)
-                written += len(chunk)
-                if bar is not None:
-                    bar.update(len(chunk))
-        finally:
-            if bar is not None:
-                bar.close()
-    return written, digest.hexdigest()
-
-
-def _progress_bar(total: int | None, desc: str):
-    """A tqdm bar if tqdm is installed and stderr is a terminal, else None."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None)
 
 
 # --------------------------------------------------------------------------- splitting

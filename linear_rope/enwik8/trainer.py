@@ -1,9 +1,10 @@
-"""Trainer and TrainState: one run (one variant x seed) of the Enwik8 ablation.
+"""Trainer: one run (one variant x seed) of the Enwik8 ablation.
 
-``TrainState`` holds everything a checkpoint holds, and nothing else: its ``state_dict()`` *is*
-the checkpoint and ``load_state_dict()`` restores it (model, optimizer, step, metrics, and the
-torch / data / feature generator states of every rank), as in torchtitan. ``Trainer.fit`` is the
-loop; ``Trainer.train_step`` is one optimizer step; :func:`evaluate` is the one BPC evaluation.
+``Trainer.fit`` is the loop; ``Trainer.train_step`` is one optimizer step. What a checkpoint holds
+is a :class:`~linear_rope.enwik8.state.TrainState` (its ``state_dict()`` is the checkpoint); the
+pieces of a step (the run's model and generators, autocast, the optimizer, the one BPC evaluation
+:func:`evaluate`) are in :mod:`linear_rope.enwik8.step`; what a run reports (TensorBoard, the
+progress line) is in :mod:`linear_rope.enwik8.metrics`.
 
 Runs with the same seed share the initial weights (``torch.manual_seed(seed)`` before the model
 is built), the FAVOR+ projections and every redraw (a generator seeded ``seed + 1_000_003``) and
@@ -17,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -27,22 +26,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.tensorboard import SummaryWriter
 
-from ..model import ModelConfig, PerformerLM
+from ..model import ModelConfig
 from ..ops.triton.dispatch import record_paths
 from . import data
 from .checkpoint import (CheckpointError, last_good_checkpoint, latest_checkpoint, load_checkpoint, nonfinite,
                          previous_checkpoint, save_checkpoint, verify_params)
 from .config import ConfigError, TrainConfig, lr_at, resume_diffs
 from .files import atomic_write
-from .rundir import start_entry, write_config
-from .runtime import Dist, Progress, StopSignals, param_digest
+from .metrics import RunLog
+from .runtime import Dist, StopSignals
+from .state import TrainState
+from .step import (FEATURE_SEED_OFFSET, autocast, build_run, compile_unavailable, evaluate, make_optimizer, on_device,
+                   uses_bf16)
 
 __all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer", "compile_unavailable",
            "NonFiniteError", "EXIT_NONFINITE", "FEATURE_SEED_OFFSET", "NONFINITE_FILE"]
 
-FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
 EXIT_NONFINITE = 3
 NONFINITE_FILE = "nonfinite.json"  # written into a run dir that a non-finite step stopped
 MAX_SKIPS_IN_A_ROW = 20  # --on-nonfinite skip: this many non-finite steps in a row still stop the run
@@ -50,136 +50,6 @@ MAX_SKIPS_IN_A_ROW = 20  # --on-nonfinite skip: this many non-finite steps in a 
 
 class NonFiniteError(Exception):
     """The loss or the gradient norm is NaN / inf (the run stops, exit 3)."""
-
-
-def build_run(mc: ModelConfig, seed: int):
-    """Model, data generator and feature generator of one run at step 0 (on CPU).
-
-    The same ``seed`` gives every variant (and every rank) the same initial weights, FAVOR+
-    projections and data stream.
-    """
-    torch.manual_seed(seed)
-    model = PerformerLM(mc)
-    feature_gen = torch.Generator().manual_seed(seed + FEATURE_SEED_OFFSET)
-    model.redraw_features(feature_gen)
-    data_gen = torch.Generator().manual_seed(seed * 1000)
-    return model, data_gen, feature_gen
-
-
-def uses_bf16(device: torch.device, precision: str = "auto") -> bool:
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
-def autocast(device: torch.device, precision: str = "auto"):
-    """bf16 autocast for ``precision`` bf16, or auto on CUDA: the projections and feed-forward
-    run in bf16, the attention op keeps its feature map and running sums in fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(device, precision))
-
-
-@torch.no_grad()
-def evaluate(model, split, seq_len: int, batch_size: int, dd: Dist = Dist(),
-             precision: str = "auto") -> float:
-    """BPC over the whole split: summed nats / summed bytes / ln 2, both summed across ranks."""
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=dd.device)  # nats, predicted bytes
-    for i, (x, y) in enumerate(data.eval_batches(split, seq_len, batch_size)):
-        if i % dd.world != dd.rank:
-            continue
-        with autocast(dd.device, precision):
-            logits = model(x.to(dd.device))
-        sums[0] += F.cross_entropy(logits.float().flatten(0, 1), y.to(dd.device).flatten(),
-                                   reduction="sum").double()
-        sums[1] += y.numel()
-    if dd.world > 1:
-        dist.all_reduce(sums)
-    model.train(was_training)
-    nats, n_bytes = sums.tolist()
-    assert n_bytes == data.count_eval_bytes(split), (n_bytes, data.count_eval_bytes(split))
-    return nats / n_bytes / math.log(2)
-
-
-def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only, through the fused kernel (one
-    pass per tensor, no per-parameter Python loop) where the device has one, else the for-each
-    one. A resumed checkpoint keeps the kernel it was saved with (``load_state_dict`` restores
-    the group's ``fused`` flag), so a resume stays bit-exact."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": tc.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    try:
-        return torch.optim.AdamW(groups, lr=tc.lr, fused=True)
-    except RuntimeError:  # no fused AdamW for this device
-        return torch.optim.AdamW(groups, lr=tc.lr, foreach=True)
-
-
-def on_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A contiguous CPU batch on ``device``: through pinned memory on CUDA, so that the copy is
-    asynchronous (``non_blocking`` from pageable memory is a synchronous copy); as is on the CPU."""
-    if device.type != "cuda":
-        return batch
-    return batch.pin_memory().to(device, non_blocking=True)
-
-
-def compile_unavailable(device: torch.device) -> str | None:
-    """Why ``torch.compile`` cannot run on ``device`` here, or None. Inductor writes C++ for the
-    CPU, so it needs a compiler there (``$CXX``, g++, c++ or clang++ on the PATH)."""
-    if device.type != "cpu":
-        return None
-    names = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-    if any(shutil.which(n) for n in names if n):
-        return None
-    return "no C++ compiler on the PATH ($CXX, g++, c++, clang++), which torch.compile needs on the CPU"
-
-
-class TrainState:
-    """What a checkpoint holds. ``state_dict()`` is collective under DDP (it gathers every rank's
-    RNG state and parameter digest, and fails if the ranks' weights differ)."""
-
-    def __init__(self, model: PerformerLM, optimizer, data_gen, feature_gen, config: dict,
-                 dd: Dist):
-        self.model, self.optimizer, self.config, self.dd = model, optimizer, config, dd
-        self.data_gen, self.feature_gen = data_gen, feature_gen
-        self.step = 0
-        self.metrics: dict = {"val_bpc": None, "test_bpc": None}
-
-    def state_dict(self) -> dict:
-        dd = self.dd
-        digests = dd.gather(param_digest(self.model))  # identical weights are checked, not assumed
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"ranks hold different weights at step {self.step}: {digests}")
-        torch_states = dd.gather(torch.get_rng_state())  # each rank's dropout stream
-        rng = {"torch": torch_states[0], "data": self.data_gen.get_state(),
-               "features": self.feature_gen.get_state()}
-        if dd.world > 1:
-            rng["torch_ranks"] = torch_states
-        if dd.device.type == "cuda":
-            cuda_states = dd.gather(torch.cuda.get_rng_state())
-            rng["cuda"] = cuda_states[0]
-            if dd.world > 1:
-                rng["cuda_ranks"] = cuda_states
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "rng": rng, "config": self.config,
-                "metrics": dict(self.metrics), "world": dd.world, "param_sha256": digests}
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore a checkpoint of this version or of linear_rope 0.1 (per-rank data list)."""
-        dd, rng = self.dd, sd["rng"]
-        self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.step = sd["step"]
-        self.metrics = {"val_bpc": None, "test_bpc": None, **sd.get("metrics", {})}
-        torch.set_rng_state(rng["torch_ranks"][dd.rank] if dd.world > 1 else rng["torch"])
-        if dd.device.type == "cuda" and "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda_ranks"][dd.rank] if dd.world > 1 else rng["cuda"])
-        self.data_gen.set_state(rng["data"][0] if isinstance(rng["data"], list) else rng["data"])
-        self.feature_gen.set_state(rng["features"])
-
-
-# Custom Scalars: each chart overlays every run's curve (TensorBoard merges the runs' layouts).
-LAYOUT = {"ablation": {"val/bpc (all runs)": ["Multiline", [r"^val/bpc$"]],
-                       "train/bpc (all runs)": ["Multiline", [r"^train/bpc$"]]}}
 
 
 class Trainer:
@@ -201,7 +71,7 @@ class Trainer:
         config = {"model": asdict(mc), "train": asdict(tc), "corpus": self.corpus}
         self.state = TrainState(model, make_optimizer(model, tc), data_gen, feature_gen, config, dd)
         self.per_step = tc.batch_size * tc.grad_accum * dd.world  # the global batch
-        self.writer, self.progress = None, None
+        self.log = RunLog(name, self.run_dir, tc, self.per_step * mc.seq_len)
         self.compiled = False  # tc.compile, where a compiler was found (``_open``)
         # --compile / --no-compile, else on CUDA (one graph per step) and off on the CPU, where a
         # compiled step measured no faster than eager (linear_rope/enwik8/train.py)
@@ -214,7 +84,6 @@ class Trainer:
         self._halted = torch.zeros((), dtype=torch.bool, device=dd.device)
         self._stop_seen = torch.zeros((), device=dd.device)
         self._skip_run = 0  # the host's count of skips in a row, as of the last _flush
-        self._t0, self._n = time.perf_counter(), 0  # tokens/s: since when, over how many steps
 
     def resume(self) -> bool:
         """Load the run dir's newest checkpoint, if any, after the resume checks: the config
@@ -298,7 +167,7 @@ class Trainer:
                     stop_now = self._flush() or stop_now
                     saving = saving or stop_now
                 else:
-                    self.progress.update(done)
+                    self.log.update(done)
                 if evaluated:
                     self._log_eval(last)
                 if saving:
@@ -306,8 +175,8 @@ class Trainer:
                 if stop_now and not last:
                     stopped = (self.stop and self.stop.received) or "a signal on another rank"
                     break
-            if stopped is None and self.writer is not None:
-                self._log_final()
+            if stopped is None:
+                self.log.final(st.config, st.metrics, self.attention)
         finally:
             self._close()
         return {"step": st.step, **st.metrics, "stopped": stopped}
@@ -382,7 +251,7 @@ class Trainer:
         to stop (DDP)."""
         if not self._pending:
             return False
-        st, tc = self.state, self.tc
+        st = self.state
         rows = self._window[:len(self._pending)].tolist()
         stop_seen = bool(self._stop_seen) if self.dd.world > 1 else False
         steps, self._pending = self._pending, []
@@ -391,7 +260,7 @@ class Trainer:
             if code == 1:
                 self._skip_run += 1
                 st.metrics["skipped_steps"] = st.metrics.get("skipped_steps", 0) + 1
-                self._log_skip(done, loss, grad_norm)
+                self.log.skipped(done, st.metrics["skipped_steps"], loss, grad_norm)
             elif code == 2:
                 what = "loss" if not math.isfinite(loss) else "gradient norm"
                 again = f" ({MAX_SKIPS_IN_A_ROW} skipped in a row before it)" if self._skip_run else ""
@@ -404,10 +273,9 @@ class Trainer:
             else:
                 self._skip_run = 0
                 last = (loss, grad_norm)
-                self._log_train(done, loss, grad_norm)
-        if self.progress is not None:
-            self.progress.update(steps[-1], **({} if last is None else
-                                               {"loss": f"{last[0]:.4f}", "bpc": f"{last[0] / math.log(2):.3f}"}))
+                self.log.train(done, loss, grad_norm)
+        self.log.update(steps[-1], **({} if last is None else
+                                      {"loss": f"{last[0]:.4f}", "bpc": f"{last[0] / math.log(2):.3f}"}))
         return stop_seen
 
     def _stop_nonfinite(self, step: int, what: str, why: str):
@@ -437,11 +305,10 @@ class Trainer:
             self._stop_nonfinite(self.state.step, bad, f"{bad} at step {self.state.step}, not checkpointed; "
                                  f"the run stopped")
         if self.dd.lead:
-            if self.writer is not None:
-                self.writer.flush()
+            self.log.flush()
             save_checkpoint(self.run_dir, self.state.step, sd, keep=self.tc.keep_checkpoints)
 
-    # ------------------------------------------------------------------ logs (rank 0 writes)
+    # ------------------------------------------------------------------ a run's start and end
 
     def attention_path(self) -> str:
         """The path the model's attention takes in training, from a two-token probe forward in
@@ -460,7 +327,7 @@ class Trainer:
         return "; ".join(dict.fromkeys(paths)) or "no linear attention call"
 
     def _open(self) -> None:
-        """compile, DDP, and on rank 0 config.json, the TensorBoard writer and the progress."""
+        """compile, DDP, and the run's logs (on rank 0 config.json, TensorBoard, the header lines)."""
         st, tc, dd = self.state, self.tc, self.dd
         self.attention = self.attention_path()
         if self.wants_compile and not self.compiled:
@@ -474,70 +341,23 @@ class Trainer:
         if dd.world > 1:
             ids = [dd.device.index] if dd.device.type == "cuda" else None
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-        self.progress = Progress(self.name, tc.steps, st.step, enabled=dd.lead)
-        self._t0, self._n = time.perf_counter(), 0
-        if not dd.lead:
-            return
-        text = json.dumps(st.config, indent=2)
-        entry = {**start_entry(st.step, st.config["train"], self.corpus), "attention": self.attention}
-        write_config(self.run_dir, {**st.config, "attention": self.attention}, entry)
-        # purge_step: readers drop events a killed process wrote after the checkpoint we resume
-        self.writer = SummaryWriter(self.run_dir, purge_step=st.step + 1)
-        self.writer.add_text("config", f"```\n{text}\n```", st.step)
-        self.writer.add_custom_scalars(LAYOUT)  # in every run, so --out's top folder holds no run of its own
         precision = "bf16 autocast" if uses_bf16(dd.device, tc.precision) else "fp32"
-        print(f"{self.name}: {self.model.num_params():,} params, steps {st.step} -> {tc.steps}, "
-              f"device {dd.device}, {precision}{', compiled' if self.compiled else ''}, "
-              f"{f'threads {self.threads}, ' if self.threads else ''}ranks {dd.world}, "
-              f"global batch {self.per_step}", file=sys.stderr)
-        print(f"{self.name}: attention: {self.attention}", file=sys.stderr)
-
-    def _log_train(self, done: int, loss: float, grad_norm: float) -> None:
-        tc = self.tc
-        self._n += 1
-        bpc = loss / math.log(2)
-        if done % tc.log_every == 0 or done == tc.steps:
-            if self.writer is not None:
-                tok_s = self._n * self.per_step * self.mc.seq_len / (time.perf_counter() - self._t0)
-                for tag, v in (("train/loss", loss), ("train/bpc", bpc), ("lr", lr_at(done - 1, tc)),
-                               ("perf/tokens_per_sec", tok_s), ("grad/norm", grad_norm)):
-                    self.writer.add_scalar(tag, v, done)
-            self._t0, self._n = time.perf_counter(), 0
-
-    def _log_skip(self, done: int, loss: float, grad_norm: float) -> None:
-        n = self.state.metrics["skipped_steps"]
-        if self.writer is not None:
-            self.writer.add_scalar("train/skipped_steps", n, done)
-        if self.progress is not None:
-            self.progress.write(f"{self.name} step {done}: non-finite "
-                                f"{'loss' if not math.isfinite(loss) else f'gradient norm ({grad_norm})'}, "
-                                f"update skipped ({n} so far)")
+        header = (f"{self.model.num_params():,} params, steps {st.step} -> {tc.steps}, "
+                  f"device {dd.device}, {precision}{', compiled' if self.compiled else ''}, "
+                  f"{f'threads {self.threads}, ' if self.threads else ''}ranks {dd.world}, "
+                  f"global batch {self.per_step}")
+        self.log.open(st.step, dd.lead, st.config, self.corpus, self.attention, header)
 
     def _log_eval(self, last: bool) -> None:
+        """The val BPC, reported; at the last step also the test BPC."""
         st, t = self.state, time.perf_counter()
         st.metrics["val_bpc"] = self.evaluate("valid")
-        if self.writer is not None:
-            self.writer.add_scalar("val/bpc", st.metrics["val_bpc"], st.step)
-            self.writer.flush()  # every evaluation is on disk as soon as it is printed
-        self.progress.write(f"{self.name} step {st.step}: val bpc {st.metrics['val_bpc']:.4f} "
-                            f"(eval {time.perf_counter() - t:.1f} s)")
+        self.log.val(st.step, st.metrics["val_bpc"], t)
         if last:
             st.metrics["test_bpc"] = self.evaluate("test")
-        self._t0, self._n = time.perf_counter(), 0  # tokens/s leaves eval time out
-
-    def _log_final(self) -> None:
-        st, w = self.state, self.writer
-        w.add_scalar("test/bpc", st.metrics["test_bpc"], self.tc.steps)
-        hparams = {f"{group}.{k}": ("None" if v is None else v)
-                   for group, cfg in st.config.items() for k, v in cfg.items()}
-        w.add_hparams({"run": self.name, "attention": self.attention, **hparams}, {"hparam/val_bpc": st.metrics["val_bpc"],
-                                                      "hparam/test_bpc": st.metrics["test_bpc"]},
-                      run_name=".")
+        self.log.restart_clock()  # tokens/s leaves eval time out
 
     def _close(self) -> None:
         # drop DDP's reducer now: freed after destroy_process_group, gloo's destructor can hang
         self.net = self.model
-        if self.progress is not None:
-            self.progress.close()
-        if self.writer is not None:
-            self.writer.close()
+        self.log.close()
