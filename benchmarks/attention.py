@@ -37,7 +37,7 @@ fwd+bwd = 3 x fwd (the usual estimate: the backward does two matmuls per forward
 C = 64. Exp, rotation, masking and the prefix sums are not counted, nor the masked half of each
 C^2 block, nor any recomputation in the backward: useful work is what the ratio should judge.
 
-Targets (issue 22): efficiency >= 60% at N = 4096 and >= 50% features in; >= 50% at 1024 and
+Targets: efficiency >= 60% at N = 4096 and >= 50% features in; >= 50% at 1024 and
 >= 60% at 16384 (inside); sdpa / ours >= 2.5 at 4096 and >= 8 at 16384, and the crossover (the
 N where sdpa / ours = 1, interpolated in log N between the measured lengths) <= 1536, each for
 both paths.
@@ -152,7 +152,7 @@ def crossover(ratios: dict[int, float]) -> tuple[float | None, str]:
     return None, f"sdpa / ours < 1 up to N={ns[-1]}"
 
 
-# Issue 22's targets, all fwd+bwd.
+# The targets, all fwd+bwd.
 EFFICIENCY_TARGETS = {("ours_inside", 1024): 0.5, ("ours_inside", 4096): 0.6, ("ours_inside", 16384): 0.6,
                       ("ours_features_in", 4096): 0.5}
 SDPA_TARGETS = {4096: 2.5, 16384: 8.0}

@@ -79,7 +79,7 @@ def profile_call(fn) -> dict:
             "busiest_ms": dict(busiest)}
 
 
-OP_MARKERS = ("chunkcausal", "linear_rope")  # the op's events, before and after issue 22's custom op
+OP_MARKERS = ("chunkcausal", "linear_rope")  # the op's events, before and after the custom op
 PARTS = ("attention op", "GEMM outside the op", "LayerNorm", "GELU", "loss", "optimizer + clip", "copies",
          "compiled regions", "other")
 

@@ -20,7 +20,7 @@ over ``aot_eager``: Dynamo's guards decide recompiles, not the backend) and run 
 backward at N = 256, 384, 512, 1000, 2048, 4096; recompiles = graphs compiled after the first
 length. A model in one graph compiles once and, at the second length, once more with N dynamic.
 
-Targets (issue 22): 1 graph and 0 breaks for both; fullgraph works for both; compiled equals
+Targets: 1 graph and 0 breaks for both; fullgraph works for both; compiled equals
 eager to <= 1e-5 relative; at most 2 recompiles. Quick mode compares with ``aot_eager`` instead
 of Inductor (no C++ compile in the smoke tests).
 """

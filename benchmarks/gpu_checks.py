@@ -27,7 +27,7 @@ from linear_rope import (
 from linear_rope.ops.triton.dispatch import use_backend
 from linear_rope.ops.tolerances import HALF_CONTRACT, check, rounded_error, tolerance, triton_tolerance
 
-from .gpu_common import NEEDS_CUDA, Ctx, one_line
+from .common import NEEDS_CUDA, Ctx, one_line
 
 __all__ = ["run", "tolerance", "triton_tolerance"]  # the tolerances live in linear_rope.ops.tolerances
 

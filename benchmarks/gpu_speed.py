@@ -22,7 +22,7 @@ timed, each forced, so that neither hides behind the dispatch:
   and mode before the timed cells, and that cost is reported (``fla_warmup_s``).
 * ``performer``: performer-pytorch's ``FastAttention(64, 266, causal=True)`` in bf16.
 
-Times are medians of CUDA-event timed calls after one warmup (``gpu_common.time_call``);
+Times are medians of CUDA-event timed calls after one warmup (``common.measure``);
 memory is the peak allocated during a call above the inputs. FLOPs (2 per multiply-add, the
 backward counted as 2x the forward): ours ``benchmarks.attention.ours_flops``, sdpa
 ``sdpa_flops`` (causal: half of QK^T and PV), fla the same chunked count with K = 64 and no
@@ -43,7 +43,7 @@ from linear_rope import FavorFeatures, rotary_linear_attention
 from linear_rope.ops.triton import kernel_status, use_backend
 
 from .attention import ours_flops, sdpa_flops
-from .gpu_common import NEEDS_CUDA, Ctx, PartTimeout, is_oom, one_line, time_call
+from .common import NEEDS_CUDA, Ctx, PartTimeout, is_oom, measure, one_line
 
 D, M, FLA_K = 64, 266, 64
 MODES = ("fwd", "fwd+bwd")
@@ -358,15 +358,15 @@ def _measure(ctx: Ctx, name: str, fn, mode: str, q, k, v, cfg) -> dict:
             with torch.no_grad():
                 fn(q, k, v)
         if name == "ours_triton" and not ctx.cuda:  # the interpreter: one untimed-warmup-free call
-            return time_call(ctx, call, reps=1, max_s=0.0, warmup=0)
-        return time_call(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
+            return measure(ctx, call, reps=1, max_s=0.0, warmup=0)
+        return measure(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.no_grad():
         up = torch.randn_like(fn(q, k, v))
 
     def call():
         torch.autograd.grad(fn(*leaves), leaves, up)
-    return time_call(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
+    return measure(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
 
 
 def profile_ours(ctx: Ctx, fn, B: int, H: int, n: int, top: int = 12) -> dict:

@@ -31,7 +31,7 @@ from linear_rope.model import MODEL_PRESETS
 from linear_rope.ops.triton import kernel_status, record_paths, use_backend
 
 from .attention import ours_flops, sdpa_flops
-from .gpu_common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
+from .common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
 
 LR, WARMUP = 3e-4, 20
 # The training table (part 0, ``run_compare``): the comparison users make, in this order, each

@@ -15,8 +15,8 @@ The high-water mark is Linux's VmHWM, the quantity ``ru_maxrss`` is meant to giv
 ``ru_maxrss`` also holds the parent's peak, inherited across fork + exec, which after the
 attention benchmark at N = 64k would hide every smaller peak.
 
-Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; until
-issue 22 they set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
+Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; earlier
+they set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
 chunks of up to 32 MiB stay in the heap and count in the resident set: the figures are what a
 user's process holds, fragmentation included (performer's many ~26 MiB per-chunk tensors make
 its column vary run to run). Tensors above 32 MiB (all of ours at large N) are mapped either way.

@@ -1,6 +1,6 @@
 """Run every benchmark, write ``benchmarks/results/<name>.json`` and (re)write BENCHMARKS.md.
 
-    python -m benchmarks.run                 # every target of issue 22: about 20 min on 2 idle cores
+    python -m benchmarks.run                 # every target: about 20 min on 2 idle cores
     python -m benchmarks.run --quick         # tiny sizes; writes under benchmarks/results/quick/
     python -m benchmarks.run --only memory   # re-run one benchmark; the others' sections come from
                                              # their JSON files, marked as from an earlier run
@@ -122,8 +122,8 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
         f"- fp32 GEMM, measured at the start: {fmt(peak)} GFLOP/s (best of 7 n x n matmuls, n = {gemm_n(quick)}); "
         "fractions of peak below use the GEMM rate measured in the same rounds as the workload",
         f"- ours: {ours_path()}",
-        "- Allocator: glibc's default, as users get it (no `mallopt`, no `MALLOC_*` variables; the timings before "
-        "issue 22 kept freed memory in the heap with `mallopt`, which hid 20-30% of the op's time at N=4096)",
+        "- Allocator: glibc's default, as users get it (no `mallopt`, no `MALLOC_*` variables; earlier timings "
+        "kept freed memory in the heap with `mallopt`, which hid 20-30% of the op's time at N=4096)",
         *([f"- Not re-run by this command (sections and targets from their last run's JSON, each with its own "
            f"load note): {', '.join(earlier)}"] if earlier else []),
         "",

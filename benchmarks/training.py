@@ -4,7 +4,7 @@
 
 Each side trains the way ``linear_rope.train`` trains, with its own tree's defaults: a child
 process imports ``linear_rope`` from its tree (ours from this repository, the base from a ``git
-worktree`` of ``--base-ref``, the commit issue 22 starts from, made under a temporary directory
+worktree`` of ``--base-ref``, the commit the op's rework started from, made under a temporary directory
 and removed afterwards), builds that tree's ``Trainer`` for the preset (``rope``, seed 0, the
 preset's ``TrainConfig``, whatever that tree makes of it: compiled or not, which optimizer) and
 calls its ``train_step`` for ``warmup`` + ``steps`` steps. Both trees read the same data (one

@@ -149,7 +149,7 @@ def test_bounds_and_summary(quick):
 
 
 def test_no_allocator_tuning():
-    """The timings use glibc's default allocator, as users get it (issue 22)."""
+    """The timings use glibc's default allocator, as users get it."""
     for path in (ROOT / "benchmarks").glob("*.py"):
         text = path.read_text()
         assert "mallopt(" not in text and '"MALLOC_' not in text, path.name
