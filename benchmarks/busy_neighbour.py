@@ -2,17 +2,7 @@
 
     python -m benchmarks.busy_neighbour [--quick]
 
-Each round runs ``python -m linear_rope.train --preset cpu --variants rope --steps 20`` (on 64 KB
-of the shared sample, so its evaluations are negligible) alone and beside one process running
-``while True: pass``, in three configurations: the app's default threads (one per core idle at
-start), ``--threads <cores>`` (torch's own default, one thread per core, which the app used
-before), and the same with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at barriers
-instead of spinning: the diagnosis). The order within a round rotates, so slow phases of a
-shared machine fall on every configuration alike. A run's time is the wall time between its train/loss events at step 2 and
-at the last step (from its TensorBoard events: no start-up, no compile, no eval); the process's
-whole wall time is recorded too. The ratio is median(beside the busy loop) / median(alone).
-
-Target: with the default settings, the ratio is <= 2.5 (a fair share of 2 cores costs 1.5-2x).
+How it measures: docs/performance.md, "Methods" (``benchmarks.busy_neighbour``).
 """
 from __future__ import annotations
 

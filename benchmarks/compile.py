@@ -2,27 +2,7 @@
 
     python -m benchmarks.compile [--quick]
 
-Two models, fp32, on this machine's CPU:
-
-* ``user``: what a user writes around the layer, ``out(x + RotaryLinearAttention(ln(x)))``
-  (dim 128, 4 heads x 32, m = 64, Eq. 19, causal);
-* ``lm``: ``PerformerLM`` of the ``cpu`` preset at depth 2 (the blocks are all alike).
-
-For each: ``torch._dynamo.explain`` (graphs, breaks, the first break's reason);
-``torch.compile(model, fullgraph=True)`` (Inductor) on a forward and backward, or the error it
-raises; and compiled against eager from the same weights and input, outputs and gradients (of
-every parameter and of the input for ``user``): the largest relative difference, max |a - b| /
-max |b| per tensor. Where ``fullgraph=True`` fails, the comparison uses the default
-``torch.compile`` (graph breaks allowed), as a user would fall back to.
-
-Recompiles: the ``user`` model compiled with a counting backend (``CompileCounterWithBackend``
-over ``aot_eager``: Dynamo's guards decide recompiles, not the backend) and run forward and
-backward at N = 256, 384, 512, 1000, 2048, 4096; recompiles = graphs compiled after the first
-length. A model in one graph compiles once and, at the second length, once more with N dynamic.
-
-Targets: 1 graph and 0 breaks for both; fullgraph works for both; compiled equals
-eager to <= 1e-5 relative; at most 2 recompiles. Quick mode compares with ``aot_eager`` instead
-of Inductor (no C++ compile in the smoke tests).
+How it measures: docs/performance.md, "Methods" (``benchmarks.compile``).
 """
 from __future__ import annotations
 

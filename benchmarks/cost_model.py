@@ -2,27 +2,7 @@
 
     python -m benchmarks.cost_model        # prints the table, writes benchmarks/results/cost_model.json
 
-ESTIMATES: no GPU measured these numbers. Each path is split into phases; a phase's time is
-max(FLOPs / peak, HBM bytes / bandwidth) at the peak of the units it runs on, and the device
-time is the sum over its phases. The host time is the path's dispatcher calls x ``US_PER_CALL``
-(9 us: ``benchmarks.launches`` counts the calls, and the H200's 11.2 ms for one B = 1 call of
-the torch path and its 25.4 ms per decode step give 8.1 and 10.5 us per call). The host
-issues work while the GPU runs it, so a call takes max(device, host): the bound column says
-which. Real kernels reach a fraction of these peaks (occupancy, latency, the serial chunk
-walk), so every time here is a lower bound of its kind; the ratios between paths are the point.
-Per head (the device totals multiply by G = B*H; the host's calls do not), with N tokens,
-d = 64 (head), m = 266 (FAVOR+ features), e = 64 (values), bf16 inputs:
-
-* FLOPs: 2 per multiply-add; the backward counts 2x the forward (gradients of both operands of
-  every product), so fwd+bwd = 3x forward, as ``benchmarks.attention.ours_flops``; flash SDPA's
-  backward is 2.5x its forward (5 GEMMs against 2: it recomputes the scores).
-* Chunked linear attention with K features, V values, chunk C, forward: 2NCK (QK^T inside
-  the chunks) + 2NCV (its product with V) + 2NKV (chunk states) + 2NKV (queries times states).
-  Eq. 19 runs it twice: the numerator on rotated features (V = e) and the denominator on
-  unrotated ones (V = 1: a ones column; tensor-core tiles pad it to 16).
-* FAVOR+ features: the projection GEMM, 2Ndm per tensor (q and k): 4Ndm forward.
-* Bytes: compulsory HBM traffic of the tensors each path materialises; tiles re-read from L2
-  inside one kernel (flash's K/V tiles) are not counted. The pass counts are stated per path.
+How it measures: docs/performance.md, "Methods" (``benchmarks.cost_model``).
 """
 from __future__ import annotations
 

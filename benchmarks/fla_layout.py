@@ -2,23 +2,7 @@
 
     python -m benchmarks.fla_layout [--quick]
 
-Causal Eq. 19, fwd+bwd, fp32, d = 64, m = 266, N = 4096, B = 2, H = 6, 2 threads (the shape of
-``benchmarks.keywords``). Each call gets its inputs, and its upstream gradient, contiguous in its
-own layout, as a user of that layout holds them:
-
-* ``op/favor``: ``rotary_linear_attention`` on `[B, H, N, d]`, FAVOR+ inside (``projection``);
-* ``fla/favor``: ``chunk_rotary_linear_attn`` on `[B, T, H, d]`, the same (default scale: q is
-  not touched);
-* ``fla/favor+contiguous``: the same, with ``o.contiguous()`` (a packed `[B, T, H, e]` output);
-* ``op/features``, ``fla/features``: the same on non-negative features `[.., m]` (fla's default
-  scale cancels in Eq. 19, so it costs nothing).
-
-Targets: fla / op time <= 1.1 for each path (medians of interleaved rounds). On a shared machine
-those ratios carry the neighbours' noise, so the transposes' own cost is also read from one
-profiled fwd+bwd of each call: the time in copies (``aten::copy_``, where the op makes the
-transposed views contiguous) beyond the op's own copies, against the op's whole time, <= 0.1.
-Not part of ``benchmarks.run``; it writes ``benchmarks/results/fla_layout.json``, with the load
-average (``uptime``) before and after.
+How it measures: docs/performance.md, "Methods" (``benchmarks.fla_layout``).
 """
 from __future__ import annotations
 

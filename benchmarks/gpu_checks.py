@@ -1,16 +1,6 @@
 """Part 1 of ``benchmarks.gpu``: is every path right on the device?
 
-* **Fast vs naive**, for every keyword (``CASES``), in float64, float32, bfloat16 and float16:
-  the public ``rotary_linear_attention`` against ``naive_rotary_linear_attention`` run in
-  float64 on the same (rounded) inputs, outputs, final states and the gradients of q, k, v for a
-  random upstream gradient (of the final state too). A check passes when every element obeys
-  ``|fast - ref| <= atol * max|ref| + rtol * |ref|``, tolerances in ``tolerance``.
-* **Strict causality**: new keys, values and queries from position t0 on leave every output
-  before t0 *exactly* unchanged (difference 0.0), for the op and for the LM.
-* **Step = forward**: token-by-token ``rotary_linear_attention_step`` / ``PerformerLM.step``
-  against the parallel forward.
-* **Finite training steps** of the tiny LM under bf16 and fp16 autocast (fp16 with a
-  GradScaler), and on CUDA of the paper preset in fp16.
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_checks``).
 """
 from __future__ import annotations
 

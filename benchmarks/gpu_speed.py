@@ -1,32 +1,6 @@
 """Part 2 of ``benchmarks.gpu``: op speed, forward and fwd+bwd, bf16 inputs, d = 64.
 
-Every row names the implementation that ran (its ``path`` field), and both of our paths are
-timed, each forced, so that neither hides behind the dispatch:
-
-* ``ours_torch``: ``linear_rope.rotary_linear_attention(q, k, v, projection=W)``, W `[266, 64]`,
-  under ``use_backend("torch")``: causal Eq. 19 with FAVOR+ inside on the torch path (chunked
-  batched GEMMs, float32 inside whatever the input dtype).
-* ``ours_triton``: the same call under ``use_backend("triton")``: the Triton kernels (FAVOR+,
-  RoPE and the running state on chip; TF32x3 exponents, rounded-TF32 GEMMs on bf16 inputs).
-  On the CPU (quick mode) they run in Triton's interpreter: the rows exist, their times mean nothing.
-* ``ours_fla``: the same call under ``use_backend("fla")``: the fla-backed path
-  (``linear_rope/ops/fla_path.py``: FAVOR+ and RoPE in torch, numerator and denominator on
-  fla-core's ``chunk_linear_attn``). Needs CUDA and fla-core (``linear_rope[fla]``); on the CPU
-  the row says so.
-* ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` under
-  ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on CUDA (the default backend, with a note, if
-  flash cannot run); exact softmax attention.
-* ``fla_chunk`` / ``fla_fused_chunk``: fla's ``chunk_linear_attn`` / ``fused_chunk_linear_attn``
-  (normalised) on elu+1 features of K = 64 (its own feature map: no random features, no RoPE).
-  fla autotunes its kernels on their first call for a shape: each is called once per shape
-  and mode before the timed cells, and that cost is reported (``fla_warmup_s``).
-* ``performer``: performer-pytorch's ``FastAttention(64, 266, causal=True)`` in bf16.
-
-Times are medians of CUDA-event timed calls after one warmup (``common.measure``);
-memory is the peak allocated during a call above the inputs. FLOPs (2 per multiply-add, the
-backward counted as 2x the forward): ours ``benchmarks.attention.ours_flops``, sdpa
-``sdpa_flops`` (causal: half of QK^T and PV), fla the same chunked count with K = 64 and no
-projections, performer its two projections and the outer-product prefix sums (4 N m e).
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_speed``).
 """
 from __future__ import annotations
 

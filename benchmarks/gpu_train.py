@@ -1,23 +1,6 @@
 """Parts 3 and 4 of ``benchmarks.gpu``: LM training throughput and batched decoding.
 
-**Training** (part 3): the ``paper`` preset (``tiny`` in CPU quick mode) on byte crops of the
-corpus, AdamW (lr ``LR`` after ``WARMUP`` linear warmup steps, gradients clipped at 1), bf16
-autocast, no feature redraws. First eager on the torch path, then eager on the Triton kernels
-(CUDA, where they run), then the same model and optimizer compiled in place
-(``model.compile()``: the graph holds the torch path's custom op), so one loss curve runs
-through the phases, each naming the attention path it took; ``compiled_speedup`` compares the
-compiled phase with the eager one on the same (torch) path. The batch starts at
-``--train-batch`` and is halved on out-of-memory. Reported per phase: tokens/s over the timed
-steps (after warmup), model FLOP utilisation against the card's dense bf16 peak, the peak
-memory, and the loss every step::
-
-    model FLOPs per token = 6 x (parameters other than the token embedding)
-                          + depth x ours_flops(seq, heads=H, fwd+bwd) / seq
-
-**Generation** (part 4): the same preset with fresh weights, bf16 autocast, a batch of
-``--gen-batch`` random-byte prompts of C tokens read in one parallel pass
-(``output_final_state=True``), then greedy ``PerformerLM.step`` tokens at positions C, C+1, ...
-Reported: prefill tokens/s and decoding tokens/s (batch x steps / seconds) at each C.
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_train``).
 """
 from __future__ import annotations
 

@@ -3,26 +3,7 @@
     python -m benchmarks.memory [--quick]
     python -m benchmarks.memory --one --impl ours_inside --n 65536 --mode fwd+bwd   # one child
 
-Same op, shapes and skips as ``benchmarks.attention``. A child imports everything, builds the
-module and the inputs (q, k, v and an upstream gradient, `[1, 12, N, 64]` fp32 each), resets
-its high-water mark to its current resident set (``reset_peak_rss``, so import-time peaks do
-not mask the op) and reads it (``peak_rss_mib``): that is the baseline. It then runs the op once
-and reads the high-water mark again. The table gives the difference, MiB above baseline: the
-op's transient peak plus what outlives it (for fwd+bwd, the q, k, v gradients: 3 x N x 768 x
-4 B, 576 MiB at N = 64k).
-
-The high-water mark is Linux's VmHWM, the quantity ``ru_maxrss`` is meant to give: in a child
-``ru_maxrss`` also holds the parent's peak, inherited across fork + exec, which after the
-attention benchmark at N = 64k would hide every smaller peak.
-
-Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; earlier
-they set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
-chunks of up to 32 MiB stay in the heap and count in the resident set: the figures are what a
-user's process holds, fragmentation included (performer's many ~26 MiB per-chunk tensors make
-its column vary run to run). Tensors above 32 MiB (all of ours at large N) are mapped either way.
-
-Targets: ours_inside fwd+bwd at the largest N <= 2 GiB above baseline, and growth linear in N:
-the least-squares slope of log(MiB) against log(N) over N >= 4096 (``slope_min_n``) <= 1.15.
+How it measures: docs/performance.md, "Methods" (``benchmarks.memory``).
 """
 from __future__ import annotations
 

@@ -2,13 +2,7 @@
 
     python -m benchmarks.tensor_core_precision [--out benchmarks/results/tensor_core_precision.json]
 
-Runs the kernels in Triton's interpreter with ``emulation.tensor_core_dots`` (each ``tl.dot`` as
-the tensor cores compute it) on the GPU checks' case (B = 2, H = 1, N = 300, d = 64, m = 266,
-offset 3, final state, random upstream gradient in the output's dtype), against the float64
-reference on the same rounded inputs, and reports each tensor's max error / max|ref| beside
-what float32 rounded to the input dtype achieves (the 2x contract of ``tolerances``). Run it
-against another checkout with ``PYTHONPATH=<checkout>`` (the emulation module must exist there:
-copy ``linear_rope/ops/triton/emulation.py`` in) to compare two versions of the kernels.
+How it measures: docs/performance.md, "Methods" (``benchmarks.tensor_core_precision``).
 """
 from __future__ import annotations
 

@@ -2,21 +2,7 @@
 
     python -m benchmarks.training [--quick] [--base-ref 92ee694]
 
-Each side trains the way ``linear_rope.train`` trains, with its own tree's defaults: a child
-process imports ``linear_rope`` from its tree (ours from this repository, the base from a ``git
-worktree`` of ``--base-ref``, the commit the op's rework started from, made under a temporary directory
-and removed afterwards), builds that tree's ``Trainer`` for the preset (``rope``, seed 0, the
-preset's ``TrainConfig``, whatever that tree makes of it: compiled or not, which optimizer) and
-calls its ``train_step`` for ``warmup`` + ``steps`` steps. Both trees read the same data (one
-fixed array of random bytes) on the same thread count.
-
-Children alternate, base then ours then base ..., so a drift of the shared machine hits both
-alike; each child times its steps after ``warmup`` and reports their median. Each tree's step
-time is its best child's median (bursts of load slow whole children); the median of all steps
-is recorded too, and the CPU seconds per step (``time.process_time``): at one thread on a shared
-machine, the step's cost that other jobs do not inflate, a second reading of the ratio. The
-warm-up steps (where compilation happens) are reported separately, as
-"warm-up s": they are not in tokens/s. Target: ours / base tokens/s >= 2 for each preset.
+How it measures: docs/performance.md, "Methods" (``benchmarks.training``).
 """
 from __future__ import annotations
 
