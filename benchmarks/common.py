@@ -145,6 +145,23 @@ def interleaved(
     return times
 
 
+def load_average() -> str:
+    """The 1/5/15-minute load averages: on a shared machine, how busy it was around a run."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def commit(where: Path = REPO_ROOT) -> str:
+    """The short commit of the checkout that holds ``where`` ("" outside git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                              timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 

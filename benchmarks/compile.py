@@ -15,7 +15,7 @@ from torch import nn
 from linear_rope import RotaryLinearAttention
 from linear_rope.model import PerformerLM
 
-from .common import cli, fmt, report, setup, target
+from .common import cli, fmt, one_line, report, setup, target
 
 NAME = "compile"
 FULL = dict(user=dict(dim=128, heads=4, dim_head=32, nb_features=64), lm=dict(preset="cpu", depth=2),
@@ -69,10 +69,6 @@ def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, want))
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
-
-
 def check_model(model, make, cfg) -> dict:
     """explain, fullgraph, and compiled against eager, for one model."""
     x = make(cfg["n"])
@@ -80,7 +76,7 @@ def check_model(model, make, cfg) -> dict:
     t0 = time.perf_counter()
     ex = torch._dynamo.explain(model)(x)
     res = {"graphs": ex.graph_count, "breaks": ex.graph_break_count,
-           "first_break": _one_line(ex.break_reasons[0].reason) if ex.break_reasons else None,
+           "first_break": one_line(ex.break_reasons[0].reason) if ex.break_reasons else None,
            "explain_s": time.perf_counter() - t0}
     want = _fwd_bwd(model, x)
     torch._dynamo.reset()
@@ -90,7 +86,7 @@ def check_model(model, make, cfg) -> dict:
         got = _fwd_bwd(torch.compile(compiled, fullgraph=True, backend=cfg["backend"]), x)
         res["fullgraph"], res["fullgraph_error"] = True, None
     except Exception as e:  # noqa: BLE001 - what it raises is the finding
-        res["fullgraph"], res["fullgraph_error"] = False, _one_line(e)
+        res["fullgraph"], res["fullgraph_error"] = False, one_line(e)
         torch._dynamo.reset()
         compiled = copy.deepcopy(model)
         got = _fwd_bwd(torch.compile(compiled, backend=cfg["backend"]), x)

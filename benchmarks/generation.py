@@ -7,7 +7,6 @@ How it measures: docs/performance.md, "Methods" (``benchmarks.generation``).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -17,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from linear_rope.decode import Decoder
 from linear_rope.model import ModelConfig, PerformerLM
 
-from .common import cli, format_table, interleaved, median, quiet, report, setup, target
+from .common import cli, format_table, interleaved, load_average, median, quiet, report, setup, target
 
 NAME = "generation"
 FULL = dict(
@@ -83,14 +82,6 @@ def count_dispatch(fn) -> dict:
             "by_op": d.launches, "syncs_by_op": d.syncs, "host_by_call": f.reads}
 
 
-def uptime() -> str:
-    """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 @torch.no_grad()
 def compiled_step_kernels(preset: str = "cpu", batch: int = 8) -> dict:
     """Compile ``Decoder.step`` for this machine (Inductor: C++ on a CPU, Triton on a GPU) and
@@ -123,7 +114,7 @@ def decode_section(quick: bool) -> dict:
     model = PerformerLM.from_preset(cfg["preset"]).eval()
     B, depth, n = cfg["batch"], model.cfg.depth, cfg["tokens"]
     g = torch.Generator().manual_seed(0)
-    load = {"before": uptime()}
+    load = {"before": load_average()}
     calls, counts, prefill_s = {}, {}, {}
     for c in cfg["contexts"]:
         ids = torch.randint(0, 256, (B, c), generator=g)
@@ -147,7 +138,7 @@ def decode_section(quick: bool) -> dict:
         counts[f"decoder@{c}"] = count_dispatch(lambda st=st: st["dec"].step(st["dtok"]))
         calls[f"step@{c}"], calls[f"decoder@{c}"] = functional, decoder
     times = interleaved(calls, warmup=1, rounds=n)
-    load["after"] = uptime()
+    load["after"] = load_average()
     ms = {k: 1e3 * median(t) for k, t in times.items()}
     per_layer = {k: {"launches": v["launches"] / depth, "syncs": v["syncs"] / depth, "host": v["host"] / depth}
                  for k, v in counts.items()}

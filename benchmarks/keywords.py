@@ -10,7 +10,7 @@ import torch
 
 from linear_rope import FavorFeatures, LinearAttentionState, rotary_linear_attention
 
-from .common import cli, fmt, interleaved, median, report, setup, target
+from .common import cli, interleaved, median, report, setup, target
 
 NAME = "keywords"
 D, M = 64, 266
