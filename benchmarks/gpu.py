@@ -172,20 +172,27 @@ def _speed(p: dict) -> list[str]:
     return out + [""]
 
 
+def _rows(rows: list[dict], cols: list[tuple], keys: int = 1) -> list[str]:
+    """A table of result rows, a column per (header, key or function of the row); a row that did
+    not run shows its first ``keys`` cells and then its status."""
+    body = [[_cell(f(r) if callable(f) else r.get(f)) for _, f in cols] if r.get("status", "ok") == "ok" else
+            [r.get(f) for _, f in cols[:keys]] + [r.get("status")] + ["-"] * (len(cols) - keys - 1) for r in rows]
+    return [format_table([h for h, _ in cols], body), ""] if body else []
+
+
+def _mfu(r):
+    return _pct(r["mfu"]) or _cell(r["mfu"])
+
+
 def _training(p: dict) -> list[str]:
     out = [f"Preset `{p.get('preset')}` ({fmt(p.get('params', 0) / 1e6)}M parameters), sequence {p.get('seq')}, "
            f"{p.get('autocast')} autocast, {p.get('optimizer')}. Data: {p.get('data')}. {p.get('batch_note', '')}", ""]
-    rows, why = [], []
-    for phase in ("eager", "eager_triton", "compiled"):
-        r = p.get(phase)
-        if isinstance(r, dict):
-            rows.append([phase, r.get("path", "-"), r["batch"], r["tokens_per_s"], _pct(r["mfu"]) or _cell(r["mfu"]), r["ms_per_step"],
-                         _cell(r["peak_memory_mib"]), r.get("compile_s"), r["timed_steps"], r["last_loss"]])
-        elif r is not None:
-            why.append(f"- {phase}: {r}")
-    if rows:
-        out += [format_table(["phase", "attention path", "batch", "tokens/s", "MFU (bf16 peak)", "ms/step", "peak MiB", "compile s",
-                              "timed steps", "last loss"], rows), ""]
+    phases = [(ph, p.get(ph)) for ph in ("eager", "eager_triton", "compiled") if p.get(ph) is not None]
+    out += _rows([dict(r, phase=ph) for ph, r in phases if isinstance(r, dict)],
+                 [("phase", "phase"), ("attention path", "path"), ("batch", "batch"), ("tokens/s", "tokens_per_s"),
+                  ("MFU (bf16 peak)", _mfu), ("ms/step", "ms_per_step"), ("peak MiB", "peak_memory_mib"),
+                  ("compile s", "compile_s"), ("timed steps", "timed_steps"), ("last loss", "last_loss")])
+    why = [f"- {ph}: {r}" for ph, r in phases if not isinstance(r, dict)]
     out += why + ([""] if why else [])
     if isinstance(p.get("compiled"), dict):
         c = p["compiled"]
@@ -197,24 +204,17 @@ def _training(p: dict) -> list[str]:
         stride = max(1, len(curve) // 16)
         pts = curve[::stride] + ([curve[-1]] if (len(curve) - 1) % stride else [])
         out += ["Loss curve (nats/byte; step: loss): " + ", ".join(f"{s}: {l:.3f}" for s, l, _ in pts), ""]
-    out += [f"- {n}" for n in p.get("notes", [])]
-    return out + [""]
+    return out + [f"- {n}" for n in p.get("notes", [])] + [""]
 
 
 def _compare(p: dict) -> list[str]:
     out = [f"Preset `{p.get('preset')}`, {p.get('tokens_per_step')} tokens per step (batch x N), "
            f"{p.get('autocast')} autocast, {p.get('optimizer')}; attention backend: {p.get('backend')}. "
            f"Data: {p.get('data')}.", ""]
-    rows = []
-    for r in p.get("rows", []):
-        if r.get("status") == "ok":
-            rows.append([r["position"], r["N"], r["batch"], r["tokens_per_s"], _pct(r["mfu"]) or _cell(r["mfu"]),
-                         r["ms_per_step"], r["compile_s"], _cell(r["peak_memory_mib"]), r["path"], r["compile"]])
-        else:
-            rows.append([r["position"], r["N"], "-", r.get("status"), "-", "-", "-", "-", "-", "-"])
-    if rows:
-        out += [format_table(["attention", "N", "batch", "tokens/s", "MFU (bf16 peak)", "ms/step", "compile s",
-                              "peak MiB", "path", "compiled"], rows), ""]
+    out += _rows(p.get("rows", []), [("attention", "position"), ("N", "N"), ("batch", "batch"),
+                                     ("tokens/s", "tokens_per_s"), ("MFU (bf16 peak)", _mfu), ("ms/step", "ms_per_step"),
+                                     ("compile s", "compile_s"), ("peak MiB", "peak_memory_mib"), ("path", "path"),
+                                     ("compiled", "compile")], keys=2)
     if p.get("vs_softmax"):
         out += ["Tokens/s over softmax's at the same N: " + ", ".join(f"{k}: {v:.2f}x" for k, v in p["vs_softmax"].items())
                 + ".", ""]
@@ -222,18 +222,11 @@ def _compare(p: dict) -> list[str]:
 
 
 def _generation(p: dict) -> list[str]:
-    rows = []
-    for r in p.get("rows", []):
-        if r.get("status") == "ok":
-            rows.append([r["context"], r["prefill_tokens_per_s"], r["decode_tokens_per_s"], r["ms_per_step"],
-                         _cell(r["peak_memory_mib"])])
-        else:
-            rows.append([r["context"], r.get("status"), "-", "-", "-"])
-    out = [f"Preset `{p.get('preset')}`, batch {p.get('batch')}, {p.get('steps')} timed steps, "
-           f"{p.get('autocast')} autocast, {p.get('decoding')}.", ""]
-    if rows:
-        out += [format_table(["context", "prefill tokens/s", "decode tokens/s", "ms/step", "peak MiB"], rows), ""]
-    return out
+    return [f"Preset `{p.get('preset')}`, batch {p.get('batch')}, {p.get('steps')} timed steps, "
+            f"{p.get('autocast')} autocast, {p.get('decoding')}.", ""] + \
+        _rows(p.get("rows", []), [("context", "context"), ("prefill tokens/s", "prefill_tokens_per_s"),
+                                  ("decode tokens/s", "decode_tokens_per_s"), ("ms/step", "ms_per_step"),
+                                  ("peak MiB", "peak_memory_mib")])
 
 
 def render(result: dict) -> str:
