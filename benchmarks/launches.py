@@ -4,7 +4,49 @@
     python -m benchmarks.launches --quick          # tiny sizes, seconds (the smoke test)
     python -m benchmarks.launches --backend torch --n 1024 4096 --out benchmarks/results/launches_baseline.json
 
-How it measures: docs/performance.md, "Methods" (``benchmarks.launches``).
+``--backend`` sets ``LINEAR_ROPE_BACKEND`` for the run (any value the library takes; it is
+recorded in the JSON). No GPU is needed: every number is a count, and a count does not depend on
+the device that runs the ops (only on shapes, the path and the plan of what the forward keeps).
+
+The baseline in ``benchmarks/results/launches_baseline.json`` (the library as of commit 775219b)
+came from ``python -m benchmarks.launches --backend torch --n 1024 4096 --out
+benchmarks/results/launches_baseline.json``: 2 to 4 minutes on one CPU thread, most of it the compiled
+decode step and the N = 4096 model steps.
+
+Counting rules (``Counter``):
+
+* **launch**: an ATen op the dispatcher runs that is not a view or metadata: not ``is_view``
+  (``view``, ``transpose``, ``select``, ``detach``, ``lift_fresh``, ...) and not an allocation or
+  a metadata change (``ALLOC_OR_META``: ``empty``, ``_unsafe_view``, ``resize_``, ...). A foreach
+  or fused op (``_foreach_norm``, ``_fused_adamw_``) counts 1, as it is one dispatcher call (on
+  CUDA one launch per chunk of tensors). Custom ops (``linear_rope::chunk_causal`` and its
+  backward) are counted *inside*: their eager bodies run under the counter, so every ATen op of
+  the block walk counts.
+* **sync**: ``aten._local_scalar_dense`` (a value read by the host), ``nonzero`` and
+  ``masked_select`` (outputs sized by values: a launch and a sync), ``equal`` (a host bool),
+  ``index`` / ``index_put_`` by a bool mask (they run ``nonzero`` inside), plus what the dispatcher
+  never shows, seen by a ``TorchFunctionMode``: ``tolist``, ``item``, ``bool``, ``int``,
+  ``float``, ``index`` of a tensor, and ``torch.tensor`` / ``torch.as_tensor`` of Python data (a
+  host-to-device copy on a GPU). A read counts once (``item`` is not counted again as its
+  ``_local_scalar_dense``). Copies between devices are not seen (everything stays on the CPU).
+* **dispatcher calls**: every op the dispatch mode sees, views, allocations and custom ops
+  included; a composite op that reaches the mode whole (inside a custom op's body, below
+  autograd) counts as the ops it decomposes into, as it does everywhere else. The host-time
+  estimate is calls x ``US_PER_CALL`` = 9 us: the H200's 11.2 ms for one B = 1 fwd+bwd of the
+  op and its 25.4 ms per decode step give 8.2 and 10.5 us per call (the JSON's
+  ``calibration``). The CPU's buffer pool (``ops/workspace.py``) is cleared before each count,
+  so every buffer is a fresh allocation, as on a GPU.
+* **GEMM FLOPs** by operand dtype: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (2 per multiply-add),
+  to show what runs in fp32 under bf16 autocast.
+* Each sync is attributed to the innermost stack frame in ``linear_rope/`` (file:line function)
+  and the ``linear_rope/`` frame that called it; each launch to the innermost ``linear_rope/``
+  file and function.
+
+Sizes: B = 1 (counts do not depend on B while the forward's keep plan is the same; the run checks
+B = 1 against B = 2 on a small model), bf16 autocast on the CPU. The model step and
+``Trainer.train_step`` are counted at depths 1 and 2 and extrapolated to the preset's depth
+(launches = fixed + depth x per layer); at the first N also at depth 3, and the run asserts the
+three lie on a line. The compiled decode step is counted at depths 1 and 2 the same way.
 """
 from __future__ import annotations
 
