@@ -331,15 +331,18 @@ def machine_info() -> dict:
     }
 
 
-def cli(main: Callable[..., dict], doc: str) -> None:
-    """The command line of a benchmark module: ``python -m benchmarks.<name> [--quick] [--out-dir D]``."""
+def cli(main: Callable[..., dict], doc: str, **options: dict) -> None:
+    """The command line of a benchmark module: ``python -m benchmarks.<name> [--quick] [--out-dir D]``,
+    and ``options`` (a keyword of ``main`` -> its ``add_argument`` keywords, the flag spelt with -)."""
     import argparse
 
     p = argparse.ArgumentParser(allow_abbrev=False, description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir)
+    for name, kw in options.items():
+        p.add_argument("--" + name.replace("_", "-"), **kw)
+    a = vars(p.parse_args())
+    main(a.pop("quick"), a.pop("out_dir"), **a)
 
 
 # --- the GPU check's parts (benchmarks.gpu): device, budgets, CUDA-event timing, corpus ----------

@@ -550,7 +550,7 @@ def calibration(res: dict, ns) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.launches", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.launches", allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--backend", default=None, help="LINEAR_ROPE_BACKEND for the run (torch, auto, ...; default: "
                    "as the environment has it, else auto)")
     p.add_argument("--n", type=int, nargs="+", default=None, help="sequence lengths (default 1024 4096)")

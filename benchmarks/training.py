@@ -6,7 +6,6 @@ How it measures: docs/performance.md, "Methods" (``benchmarks.training``).
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import shutil
@@ -16,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import REPO_ROOT, fmt, report, target, threads
+from .common import REPO_ROOT, cli, fmt, report, target, threads
 
 NAME = "training"
 BASE_REF = "92ee694"
@@ -147,9 +146,4 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny preset, for smoke tests")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    p.add_argument("--base-ref", default=BASE_REF, help="the commit to compare with (default %(default)s)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir, a.base_ref)
+    cli(main, __doc__, base_ref=dict(default=BASE_REF, help="the commit to compare with (default %(default)s)"))
