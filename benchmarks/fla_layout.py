@@ -69,7 +69,7 @@ def make_calls(n: int, w: torch.Tensor) -> dict:
 def main(quick: bool = False, out_dir=None) -> dict:
     cfg = QUICK if quick else FULL
     setup(quick)
-    load_before = load_average()
+    load_before = "load average: " + load_average()
     w = FavorFeatures(D, M).projection
     calls = make_calls(cfg["n"], w)
     times = interleaved(calls, warmup=1, rounds=cfg["rounds"], budget_s=cfg["budget_s"])
@@ -86,7 +86,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
         "config": {"n": cfg["n"], "B": B, "H": H, "d": D, "m": M, "e": D, "rounds": rounds, "dtype": "float32",
                    "threads": torch.get_num_threads()},
         "machine": machine_info(),
-        "load": {"before": load_before, "after": load_average()},
+        "load": {"before": load_before, "after": "load average: " + load_average()},
         "ms": ms,
         "times_s": times,
         "ratio": ratio,
