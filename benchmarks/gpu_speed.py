@@ -144,28 +144,22 @@ PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "ours_fla"
 def impls(ctx: Ctx) -> dict:
     """name -> (fn or None, description or skip reason), in the order each N measures them: the
     comparison that matters first (the kernels, flash, fla), then the rest."""
-    res = {}
     W = FavorFeatures(D, M).projection.to(ctx.device)
-    res["ours_triton"] = _ours_triton(ctx, W)
-    others = {"sdpa": lambda: _flash(ctx), "fla_chunk": lambda: _fla(ctx, False)}
-    for name, make in others.items():
+    makers = {"ours_triton": lambda: _ours_triton(ctx, W), "sdpa": lambda: _flash(ctx),
+              "fla_chunk": lambda: _fla(ctx, False),
+              "ours_torch": lambda: (_ours(W, "torch"), "torch path: linear_rope.rotary_linear_attention(projection=W "
+                                                        "[266, 64]) forced onto it, causal Eq. 19, float32 inside"),
+              "fla_fused_chunk": lambda: _fla(ctx, True), "performer": lambda: _performer(ctx),
+              # last: its first call at a new feature width autotunes fla's kernels again (the first
+              # GPU run spent its part's remaining 90 s there, before any flash or fla cell)
+              "ours_fla": lambda: _ours_fla(ctx, W)}
+    keep = [n.strip() for n in os.environ.get("SPEED_IMPLS", "").split(",") if n.strip()] or list(makers)
+    res = {}
+    for name, make in makers.items():
         try:
-            res[name] = make()
+            res[name] = make() if name in keep else (None, "skipped: not in SPEED_IMPLS")
         except Exception as e:
             res[name] = (None, f"error: {one_line(e)}")
-    res["ours_torch"] = (_ours(W, "torch"), "torch path: linear_rope.rotary_linear_attention(projection=W [266, 64]) "
-                                            "forced onto it, causal Eq. 19, float32 inside")
-    for name, make in (("fla_fused_chunk", lambda: _fla(ctx, True)), ("performer", lambda: _performer(ctx))):
-        try:
-            res[name] = make()
-        except Exception as e:
-            res[name] = (None, f"error: {one_line(e)}")
-    # last: its first call at a new feature width autotunes fla's kernels again (the first GPU run
-    # spent its part's remaining 90 s there, before any flash or fla cell)
-    res["ours_fla"] = _ours_fla(ctx, W)
-    keep = [n.strip() for n in os.environ.get("SPEED_IMPLS", "").split(",") if n.strip()]
-    if keep:
-        res = {n: (res[n] if n in keep else (None, "skipped: not in SPEED_IMPLS")) for n in res}
     return res
 
 

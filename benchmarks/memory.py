@@ -7,7 +7,6 @@ How it measures: docs/performance.md, "Methods" (``benchmarks.memory``).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from linear_rope import FavorFeatures
 
 from .attention import D, IMPLS, M, make_call, make_inputs, make_op, make_performer, skip_reason
-from .common import fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
+from .common import cli, fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
 
 NAME = "memory"
 MODES = ("fwd", "fwd+bwd")
@@ -58,7 +57,10 @@ def loglog_slope(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
-def main(quick: bool = False, out_dir=None) -> dict:
+def main(quick: bool = False, out_dir=None, one: bool = False, impl=None, n=None, mode=None) -> dict | None:
+    if one:  # a child: one configuration, its figures as the last line of stdout
+        print(json.dumps(measure_one(impl, n, mode, quick)))
+        return None
     cfg = QUICK if quick else FULL
     modes = cfg.get("modes", MODES)
     todo, skipped = [], {}
@@ -120,15 +122,6 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests (with --one: 1 thread)")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    p.add_argument("--one", action="store_true", help="child mode: measure one configuration, print JSON")
-    p.add_argument("--impl", choices=IMPLS, help="with --one: the implementation")
-    p.add_argument("--n", type=int, help="with --one: the sequence length")
-    p.add_argument("--mode", choices=MODES, help="with --one: fwd or fwd+bwd")
-    a = p.parse_args()
-    if a.one:
-        print(json.dumps(measure_one(a.impl, a.n, a.mode, a.quick)))
-    else:
-        main(a.quick, a.out_dir)
+    cli(main, __doc__, one=dict(action="store_true", help="child mode: measure one configuration, print JSON"),
+        impl=dict(choices=IMPLS, help="with --one: the implementation"),
+        n=dict(type=int, help="with --one: the sequence length"), mode=dict(choices=MODES, help="with --one: fwd or fwd+bwd"))

@@ -25,8 +25,8 @@ from pathlib import Path
 from . import attention, bounds, busy_neighbour, generation, keywords, leak, lm_training, memory, training
 from . import compile as compile_bench
 from .common import (
-    REPO_ROOT, RESULTS_DIR, THREADS_ENV, fmt, load_average, format_table, gemm_n, machine_info, machine_peak, ours_path, setup,
-    target_line, write_json,
+    REPO_ROOT, RESULTS_DIR, THREADS_ENV, fmt, format_table, gemm_n, load_average, machine_info, machine_peak, ours_path,
+    setup, target_line, write_json,
 )
 
 # The default run, in order (bounds last: it reads training.json of the same run).
