@@ -2,45 +2,7 @@
 
     python -m benchmarks.attention [--quick]
 
-q, k, v `[1, 12, N, 64]` fp32, m = 266, Eq. 19 (RoPE on the features), causal, fwd+bwd, 2
-threads, N in {1024, 1536, 2048, 4096, 16384}.
-
-* ours_inside: ``benchmarks.common.ours_attention``, the public ``rotary_linear_attention``
-  with ``projection`` (FAVOR+ made inside the op), the path ``RotaryLinearAttention`` takes.
-* ours_features_in: ``benchmarks.common.ours_features_in``, ``FavorFeatures`` on the caller's
-  side, then the op on the features: any user with their own feature map. The features' time
-  counts.
-* sdpa: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, exact softmax, O(N^2).
-* performer: performer-pytorch ``FastAttention(64, 266, causal=True)`` (its CPU fallback
-  ``causal_linear_attention_noncuda``), for reference (no target), at ``performer_ns``: none in
-  the full run (one fwd+bwd at N = 1024 takes 7x ours, and the rounds go to the targets); the
-  smoke test runs it.
-
-A call is the forward plus ``backward`` of a fixed random upstream gradient into q, k, v. Each
-N is timed in interleaved rounds (every impl once per round, the order rotating) together with
-an fp32 [2048]^2 GEMM probe (``common.gemm_probe``); the tables give medians. Every impl is
-warmed up once at a small N (``warmup_n``). Rounds stop at a time budget per N (at least one).
-
-Efficiency = the fixed yardstick ``ours_flops(N)`` (26.4 GFLOP at N = 4096: the chunk-64 count
-below, whatever chunk the op runs with, so another chunk changes the time, not the yardstick)
-/ the median time / the GEMM rate measured in the same rounds.
-
-FLOPs of the yardstick (``ours_flops``), per head, counting matmul work only (2 per multiply-add):
-
-    feature projections   q and k, [N, d] @ [d, m] each              4 N d m
-    chunked numerator     N/C chunks of C tokens, each:
-        intra-chunk       (rq rk^T) C^2 m 2  +  (attn v) C^2 d 2
-        inter-chunk       (rk^T v state) C m d 2  +  (rq S) C m d 2
-    denominator           q . cumsum(k)                               2 N m
-
-fwd+bwd = 3 x fwd (the usual estimate: the backward does two matmuls per forward matmul).
-C = 64. Exp, rotation, masking and the prefix sums are not counted, nor the masked half of each
-C^2 block, nor any recomputation in the backward: useful work is what the ratio should judge.
-
-Targets: efficiency >= 60% at N = 4096 and >= 50% features in; >= 50% at 1024 and
->= 60% at 16384 (inside); sdpa / ours >= 2.5 at 4096 and >= 8 at 16384, and the crossover (the
-N where sdpa / ours = 1, interpolated in log N between the measured lengths) <= 1536, each for
-both paths.
+How it measures: docs/performance.md, "Methods" (``benchmarks.attention``).
 """
 from __future__ import annotations
 
@@ -152,7 +114,7 @@ def crossover(ratios: dict[int, float]) -> tuple[float | None, str]:
     return None, f"sdpa / ours < 1 up to N={ns[-1]}"
 
 
-# Issue 22's targets, all fwd+bwd.
+# The targets, all fwd+bwd.
 EFFICIENCY_TARGETS = {("ours_inside", 1024): 0.5, ("ours_inside", 4096): 0.6, ("ours_inside", 16384): 0.6,
                       ("ours_features_in", 4096): 0.5}
 SDPA_TARGETS = {4096: 2.5, 16384: 8.0}

@@ -2,26 +2,7 @@
 
     python -m benchmarks.bounds [--quick]
 
-Runs last in ``benchmarks.run``, so that BENCHMARKS.md can say, for each MISS, what bounds it
-with figures from the same run rather than a guess:
-
-* **op, N = 4096, fwd+bwd** (Eq. 19, the attention benchmark's shapes), FAVOR+ inside and
-  features in, under ``torch.profiler`` (``record_shapes``): self time per kind of kernel (GEMM =
-  mm / bmm / baddbmm / addmm; exp; other ops), the GEMM FLOPs actually executed (from the
-  recorded shapes) and the rate the GEMMs ran at, against the [2048]^2 GEMM rate measured just
-  before and after.
-* **SDPA, same shapes**: its analytic FLOPs (2 N^2 d per head and pass, x3 for fwd+bwd) and rate.
-  At equal efficiency, sdpa / ours can be no larger than the ratio of FLOPs: that ratio is
-  the ceiling of the sdpa targets for an op that does this much GEMM work.
-* **a training step of each preset** of ``benchmarks.training`` (``cpu20m``, ``cpu``; this
-  tree's ``Trainer`` with its defaults, after 3 warm-up steps): the step's self time by part
-  (``step_parts``): the attention op (forward and backward, everything under an event whose
-  name holds ``ChunkCausal`` or ``linear_rope``), GEMMs outside it, LayerNorm, GELU, the loss,
-  the optimizer and clipping, copies, compiled regions, the rest; and the step time with the op
-  removed (Amdahl), against the base commit's step from ``training.json`` when that benchmark
-  ran in the same run: the most a faster op alone could give.
-
-Profiler times carry the profiler's overhead; read the shares, not the absolute times.
+How it measures: docs/performance.md, "Methods" (``benchmarks.bounds``).
 """
 from __future__ import annotations
 

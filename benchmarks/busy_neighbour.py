@@ -2,22 +2,11 @@
 
     python -m benchmarks.busy_neighbour [--quick]
 
-Each round runs ``python -m linear_rope.train --preset cpu --variants rope --steps 20`` (on 64 KB
-of the shared sample, so its evaluations are negligible) alone and beside one process running
-``while True: pass``, in three configurations: the app's default threads (one per core idle at
-start), ``--threads <cores>`` (torch's own default, one thread per core, which the app used
-before), and the same with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at barriers
-instead of spinning: the diagnosis). The order within a round rotates, so slow phases of a
-shared machine fall on every configuration alike. A run's time is the wall time between its train/loss events at step 2 and
-at the last step (from its TensorBoard events: no start-up, no compile, no eval); the process's
-whole wall time is recorded too. The ratio is median(beside the busy loop) / median(alone).
-
-Target: with the default settings, the ratio is <= 2.5 (a fair share of 2 cores costs 1.5-2x).
+How it measures: docs/performance.md, "Methods" (``benchmarks.busy_neighbour``).
 """
 from __future__ import annotations
 
 import bz2
-import json
 import os
 import statistics
 import subprocess
@@ -26,10 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from .common import REPO_ROOT, SAMPLE_PATHS, cli, report
+
 NAME = "busy_neighbour"
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "benchmarks" / "results"
-SAMPLE = ROOT.parent / "shared/data/enwiki-sample.xml.bz2"
 FULL = dict(preset="cpu", steps=20, rounds=3)
 QUICK = dict(preset="tiny", steps=4, rounds=1)
 TARGET = 2.5
@@ -38,8 +26,9 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 def _corpus(tmp: Path) -> Path:
     path = tmp / "corpus.txt"
-    if SAMPLE.is_file():
-        with bz2.open(SAMPLE, "rb") as f:
+    sample = next((p for p in SAMPLE_PATHS if p.is_file()), None)
+    if sample:
+        with bz2.open(sample, "rb") as f:
             path.write_bytes(f.read(1 << 16))
     else:
         path.write_bytes(b"the rotary linear attention of a performer language model\n" * 1200)
@@ -83,7 +72,7 @@ def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool,
         if busy:
             time.sleep(0.5)  # the neighbour is running before the run starts, as in practice
         t = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
         wall = time.perf_counter() - t
     finally:
         if neighbour is not None:
@@ -157,21 +146,11 @@ def main(quick: bool = False, out_dir=None) -> dict:
                   f"{statistics.median(x['others_cores'] for v in runs.values() for c in v.values() for x in c):.2f}, "
                   f"max {max(x['others_cores'] for v in runs.values() for c in v.values() for x in c):.2f}."],
     }
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    tmp_path = out / f".{NAME}.json.tmp"
-    tmp_path.write_text(json.dumps(result, indent=2) + "\n")
-    tmp_path.replace(out / f"{NAME}.json")
+    report(result, out_dir)
     print("ratio busy/alone: " + ", ".join(f"{m} {r:.2f}" for m, r in ratio.items())
           + f"; default busy / fastest alone {vs_best:.2f}")
     return result
 
 
 if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny preset, one round (smoke test)")
-    p.add_argument("--out-dir", default=None, help="where busy_neighbour.json goes")
-    a = p.parse_args()
-    main(a.quick, a.out_dir)
+    cli(main, __doc__)

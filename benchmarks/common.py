@@ -1,4 +1,5 @@
-"""Shared helpers: the "ours" callable, interleaved timing, GEMM peak, tables, JSON, machine info.
+"""The benchmarks' one core: the "ours" callable, the timers (interleaved rounds on the CPU, CUDA
+events on a GPU: ``measure``), GEMM peak, budgets, tables, JSON and Markdown, machine info, the CLI.
 
 Every benchmark module has ``main(quick=False, out_dir=None) -> dict``. It prints its table,
 writes ``<out_dir>/<name>.json`` (default ``benchmarks/results``) and returns a result dict
@@ -15,17 +16,23 @@ shared, so only ratios between implementations timed side by side mean much.
 """
 from __future__ import annotations
 
+import bz2
 import contextlib
+import dataclasses
 import functools
+import gzip
 import io
 import json
+import lzma
 import math
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -136,6 +143,23 @@ def interleaved(
         if budget_s is not None and r >= min_rounds and (now - start) + (now - t_round) > budget_s:
             break
     return times
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages: on a shared machine, how busy it was around a run."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def commit(where: Path = REPO_ROOT) -> str:
+    """The short commit of the checkout that holds ``where`` ("" outside git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                              timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def median(xs: list[float]) -> float | None:
@@ -263,13 +287,14 @@ def target_line(t: dict) -> str:
     return f"{t['name']}: {fmt(t['value'])} (target {t['op']} {fmt(t['threshold'])}) {verdict}"
 
 
-def write_json(result: dict, out_dir: str | Path | None) -> Path:
-    """Write ``<out_dir>/<name>.json`` via a .tmp file, so a crash never leaves half a file."""
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{result['name']}.json"
+def write_json(result: dict, out: str | Path | None) -> Path:
+    """Write ``<out>/<name>.json`` (``out`` a folder; default ``benchmarks/results``) or ``out``
+    itself (a ``.json`` path) via a .tmp file, so a crash never leaves half a file."""
+    out = Path(out) if out is not None else RESULTS_DIR
+    path = out if out.suffix == ".json" else out / f"{result['name']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
     tmp.replace(path)
     return path
 
@@ -306,12 +331,188 @@ def machine_info() -> dict:
     }
 
 
-def cli(main: Callable[..., dict], doc: str) -> None:
-    """The command line of a benchmark module: ``python -m benchmarks.<name> [--quick] [--out-dir D]``."""
+def cli(main: Callable[..., dict], doc: str, **options: dict) -> None:
+    """The command line of a benchmark module: ``python -m benchmarks.<name> [--quick] [--out-dir D]``,
+    and ``options`` (a keyword of ``main`` -> its ``add_argument`` keywords, the flag spelt with -)."""
     import argparse
 
     p = argparse.ArgumentParser(allow_abbrev=False, description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir)
+    for name, kw in options.items():
+        p.add_argument("--" + name.replace("_", "-"), **kw)
+    a = vars(p.parse_args())
+    main(a.pop("quick"), a.pop("out_dir"), **a)
+
+
+# --- the GPU check's parts (benchmarks.gpu): device, budgets, CUDA-event timing, corpus ----------
+
+NEEDS_CUDA = "skipped: needs CUDA"
+SAMPLE_NAME = "enwiki-sample.xml.bz2"
+# The shared Wikipedia sample: beside the checkout, inside it (shared/), or carried into data/.
+SAMPLE_PATHS = (REPO_ROOT.parent / "shared/data" / SAMPLE_NAME, REPO_ROOT / "shared/data" / SAMPLE_NAME,
+                REPO_ROOT / "data" / SAMPLE_NAME)
+
+# Dense bf16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets (no sparsity). The first
+# entry whose every word is in the device name wins, so the PCIe and NVL parts come before
+# the plain "H100" (the SXM part, "NVIDIA H100 80GB HBM3").
+BF16_PEAK_TFLOPS = (
+    (("H100", "PCIe"), 756.0),
+    (("H100", "NVL"), 835.0),
+    (("H100",), 989.0),
+    (("H200",), 989.0),
+    (("A100",), 312.0),
+)
+
+
+def bf16_peak_tflops(device_name: str) -> float | None:
+    """The card's dense bf16 peak (TFLOP/s) by device name, or None when unknown."""
+    name = device_name.lower()
+    for words, peak in BF16_PEAK_TFLOPS:
+        if all(w.lower() in name for w in words):
+            return peak
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: type and the first line of its message."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}".rstrip(": ")
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+class PartTimeout(BaseException):
+    """Raised inside a part when its wall-time budget is spent (see ``deadline``). A
+    BaseException, like KeyboardInterrupt: code that handles errors (``except Exception``: the
+    kernels' fallback, Triton's interpreter) must not take a spent budget for a failure."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise ``PartTimeout`` in this thread after ``seconds`` (SIGALRM; a no-op where signals
+    are not available, e.g. off the main thread). A backstop: parts also check ``Ctx.left``
+    between measurements, and a CUDA kernel already queued still runs to its end."""
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable or seconds <= 0:
+        yield
+        return
+
+    def fire(signum, frame):
+        raise PartTimeout(f"part budget of {seconds:.0f} s spent")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@dataclasses.dataclass
+class Ctx:
+    """One run: the device, the mode, and the wall-time budget of the part now running."""
+
+    device: torch.device
+    quick: bool
+    data: str | None = None
+    compile: bool = False
+    train_batch: int | None = None
+    gen_batch: int | None = None
+    part_start: float = 0.0
+    part_budget: float = math.inf
+    save: Callable[[], None] = lambda: None  # writes the JSON and Markdown so far (a killed run keeps them)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def start_part(self, budget_s: float) -> None:
+        self.part_start, self.part_budget = time.perf_counter(), budget_s
+
+    def left(self) -> float:
+        """Seconds left in the current part's budget."""
+        return self.part_budget - (time.perf_counter() - self.part_start)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def peak_tflops(self) -> float | None:
+        return bf16_peak_tflops(torch.cuda.get_device_name(self.device)) if self.cuda else None
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        name = torch.cuda.get_device_name(device)
+        info.update(name=name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1), bf16_peak_tflops=bf16_peak_tflops(name),
+                    allow_tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+    else:
+        info.update(name="cpu", threads=torch.get_num_threads(), bf16_peak_tflops=None)
+    return info
+
+
+def measure(ctx: Ctx, fn: Callable[[], object], *, reps: int, max_s: float, warmup: int = 1) -> dict:
+    """Median milliseconds of ``fn`` over up to ``reps`` calls after ``warmup`` calls, stopping
+    once the timed calls add up to ``max_s``. CUDA: one pair of CUDA events per call; CPU:
+    perf_counter. With CUDA also the peak memory above what was allocated before, MiB."""
+    mem0 = 0
+    if ctx.cuda:
+        ctx.sync()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        mem0 = torch.cuda.memory_allocated(ctx.device)
+    for _ in range(warmup):
+        fn()
+    ctx.sync()
+    peak = (torch.cuda.max_memory_allocated(ctx.device) - mem0) / 2**20 if ctx.cuda else None
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < reps and (not times or spent < max_s):
+        if ctx.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = 1e3 * (time.perf_counter() - t0)
+        times.append(ms)
+        spent += ms / 1e3
+    return {"ms": statistics.median(times), "ms_min": min(times), "reps": len(times),
+            "peak_mib": peak if ctx.cuda else NEEDS_CUDA}
+
+
+def load_corpus(path: str | None, max_bytes: int) -> tuple[torch.Tensor, str]:
+    """Up to ``max_bytes`` bytes of a corpus as a uint8 tensor, and where they came from.
+
+    ``path`` (any of .bz2 / .gz / .xz / raw) or the shared sample (``SAMPLE_PATHS``); without
+    either, random bytes, and the note says so."""
+    candidates = [Path(path)] if path else [p for p in SAMPLE_PATHS if p.is_file()]
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"--data: no such file: {path}")
+    if not candidates:
+        g = torch.Generator().manual_seed(0)
+        return (torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, generator=g),
+                f"random bytes (no corpus: pass --data, or put {SAMPLE_NAME} in data/); the loss cannot fall below 8 bits")
+    p = candidates[0]
+    opener = {".bz2": bz2.open, ".gz": gzip.open, ".xz": lzma.open}.get(p.suffix, open)
+    with opener(p, "rb") as f:
+        raw = f.read(max_bytes)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8), f"{p} (first {len(raw)} bytes)"
+
+
+def batch_of(corpus: torch.Tensor, batch: int, seq: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random crops of ``seq + 1`` bytes: inputs and next-byte targets `[batch, seq]`."""
+    starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=g)
+    crops = torch.stack([corpus[s:s + seq + 1] for s in starts.tolist()]).long()
+    return crops[:, :-1], crops[:, 1:]

@@ -2,27 +2,7 @@
 
     python -m benchmarks.compile [--quick]
 
-Two models, fp32, on this machine's CPU:
-
-* ``user``: what a user writes around the layer, ``out(x + RotaryLinearAttention(ln(x)))``
-  (dim 128, 4 heads x 32, m = 64, Eq. 19, causal);
-* ``lm``: ``PerformerLM`` of the ``cpu`` preset at depth 2 (the blocks are all alike).
-
-For each: ``torch._dynamo.explain`` (graphs, breaks, the first break's reason);
-``torch.compile(model, fullgraph=True)`` (Inductor) on a forward and backward, or the error it
-raises; and compiled against eager from the same weights and input, outputs and gradients (of
-every parameter and of the input for ``user``): the largest relative difference, max |a - b| /
-max |b| per tensor. Where ``fullgraph=True`` fails, the comparison uses the default
-``torch.compile`` (graph breaks allowed), as a user would fall back to.
-
-Recompiles: the ``user`` model compiled with a counting backend (``CompileCounterWithBackend``
-over ``aot_eager``: Dynamo's guards decide recompiles, not the backend) and run forward and
-backward at N = 256, 384, 512, 1000, 2048, 4096; recompiles = graphs compiled after the first
-length. A model in one graph compiles once and, at the second length, once more with N dynamic.
-
-Targets: 1 graph and 0 breaks for both; fullgraph works for both; compiled equals
-eager to <= 1e-5 relative; at most 2 recompiles. Quick mode compares with ``aot_eager`` instead
-of Inductor (no C++ compile in the smoke tests).
+How it measures: docs/performance.md, "Methods" (``benchmarks.compile``).
 """
 from __future__ import annotations
 
@@ -35,7 +15,7 @@ from torch import nn
 from linear_rope import RotaryLinearAttention
 from linear_rope.model import PerformerLM
 
-from .common import cli, fmt, report, setup, target
+from .common import cli, fmt, one_line, report, setup, target
 
 NAME = "compile"
 FULL = dict(user=dict(dim=128, heads=4, dim_head=32, nb_features=64), lm=dict(preset="cpu", depth=2),
@@ -89,10 +69,6 @@ def max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, want))
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
-
-
 def check_model(model, make, cfg) -> dict:
     """explain, fullgraph, and compiled against eager, for one model."""
     x = make(cfg["n"])
@@ -100,7 +76,7 @@ def check_model(model, make, cfg) -> dict:
     t0 = time.perf_counter()
     ex = torch._dynamo.explain(model)(x)
     res = {"graphs": ex.graph_count, "breaks": ex.graph_break_count,
-           "first_break": _one_line(ex.break_reasons[0].reason) if ex.break_reasons else None,
+           "first_break": one_line(ex.break_reasons[0].reason) if ex.break_reasons else None,
            "explain_s": time.perf_counter() - t0}
     want = _fwd_bwd(model, x)
     torch._dynamo.reset()
@@ -110,7 +86,7 @@ def check_model(model, make, cfg) -> dict:
         got = _fwd_bwd(torch.compile(compiled, fullgraph=True, backend=cfg["backend"]), x)
         res["fullgraph"], res["fullgraph_error"] = True, None
     except Exception as e:  # noqa: BLE001 - what it raises is the finding
-        res["fullgraph"], res["fullgraph_error"] = False, _one_line(e)
+        res["fullgraph"], res["fullgraph_error"] = False, one_line(e)
         torch._dynamo.reset()
         compiled = copy.deepcopy(model)
         got = _fwd_bwd(torch.compile(compiled, backend=cfg["backend"]), x)

@@ -2,27 +2,7 @@
 
     python -m benchmarks.cost_model        # prints the table, writes benchmarks/results/cost_model.json
 
-ESTIMATES: no GPU measured these numbers. Each path is split into phases; a phase's time is
-max(FLOPs / peak, HBM bytes / bandwidth) at the peak of the units it runs on, and the device
-time is the sum over its phases. The host time is the path's dispatcher calls x ``US_PER_CALL``
-(9 us: ``benchmarks.launches`` counts the calls, and the H200's 11.2 ms for one B = 1 call of
-the torch path and its 25.4 ms per decode step give 8.1 and 10.5 us per call). The host
-issues work while the GPU runs it, so a call takes max(device, host): the bound column says
-which. Real kernels reach a fraction of these peaks (occupancy, latency, the serial chunk
-walk), so every time here is a lower bound of its kind; the ratios between paths are the point.
-Per head (the device totals multiply by G = B*H; the host's calls do not), with N tokens,
-d = 64 (head), m = 266 (FAVOR+ features), e = 64 (values), bf16 inputs:
-
-* FLOPs: 2 per multiply-add; the backward counts 2x the forward (gradients of both operands of
-  every product), so fwd+bwd = 3x forward, as ``benchmarks.attention.ours_flops``; flash SDPA's
-  backward is 2.5x its forward (5 GEMMs against 2: it recomputes the scores).
-* Chunked linear attention with K features, V values, chunk C, forward: 2NCK (QK^T inside
-  the chunks) + 2NCV (its product with V) + 2NKV (chunk states) + 2NKV (queries times states).
-  Eq. 19 runs it twice: the numerator on rotated features (V = e) and the denominator on
-  unrotated ones (V = 1: a ones column; tensor-core tiles pad it to 16).
-* FAVOR+ features: the projection GEMM, 2Ndm per tensor (q and k): 4Ndm forward.
-* Bytes: compulsory HBM traffic of the tensors each path materialises; tiles re-read from L2
-  inside one kernel (flash's K/V tiles) are not counted. The pass counts are stated per path.
+How it measures: docs/performance.md, "Methods" (``benchmarks.cost_model``).
 """
 from __future__ import annotations
 
@@ -62,14 +42,7 @@ def phase(name, flops, nbytes, peak):
 
 
 def torch_path(N, peak="fp32"):
-    """The torch path (linear_rope/ops/chunk*.py), float32 inside, C = 64. torch's default
-    (``allow_tf32 = False``) runs its float32 GEMMs on the non-tensor FP32 units (67 TFLOP/s);
-    ``peak="tf32"`` is the same path with TF32 allowed (``benchmarks.gpu --tf32``).
-    Bytes, forward, in fp32 [N, m] passes: per q / k 11 (projection output 1, exp in place 2,
-    rotation 8: two half-width products, two sums, stack and flatten), and 8 reads of the four
-    feature tensors by the GEMMs (intra and states); the two [N, C] products (num, den) 4
-    passes each; the [N/C, m, e] chunk states 4 (bmm, prefix sum read + write, read);
-    out, den, division, cast 6 [N, e] passes. The backward moves 2x the forward's bytes."""
+    """The torch path (linear_rope/ops/chunk*.py), float32 inside, C = 64. Its FLOP and byte counts: docs/performance.md, "Methods"."""
     C = 64
     f = 4 * N * D * M + chunked(N, M, E, C) + chunked(N, M, 1, C)
     b = 4 * (2 * 11 * N * M + 8 * N * M + 2 * 4 * N * C + 4 * (N / C) * M * E + 6 * N * E) + 2 * 3 * N * D
@@ -77,18 +50,7 @@ def torch_path(N, peak="fp32"):
 
 
 def fla_path(N):
-    """The fla-backed path (linear_rope/ops/fla_path.py), priced by its work. Phase 1: FAVOR+
-    and RoPE as one pass that reads q, k (bf16) and writes the four bf16 tensors fla gets in its
-    layout (rq, rk, fq, fk), and in the backward reads their four gradients and writes dq, dk;
-    the exponent products at 3x TF32 (TF32x3, as our kernels); the blocks' sum and the division
-    4 fp32 [N, e] passes, backward 2x. Today that pass is some 200 eager torch ops (fp32 [N, m]
-    passes, pads and casts per feature block): their cost is in the host term (``FLA_CALLS``),
-    not here.
-    Phase 2, fla's ``chunk_linear_attn`` (C = 64, bf16 operands, states h [N/C, K, V] in bf16):
-    forward reads q once, k and v twice, writes and reads h, writes o: 2 (3NK + 3NV + 2 (N/C) K V)
-    bytes; backward (h recomputed, dh, dv, dq / dk kernels) 2 (8NK + 6NV + 5 (N/C) K V): in all
-    2 (11NK + 9NV + 7 (N/C) K V). The numerator runs as 2 feature blocks (m = 266 > 256): v and
-    its gradient are read per block. The denominator: V = 2 columns of ones, tiles of 16."""
+    """The fla-backed path (linear_rope/ops/fla_path.py), priced by its work. Its FLOP and byte counts: docs/performance.md, "Methods"."""
     C, blocks = 64, math.ceil(M / 256)
     f_feat = 3 * 4 * N * D * M * 3
     b_feat = 2 * (2 * N * D * 2) + 2 * (4 * N * M * 2) + 3 * 4 * 4 * N * E
@@ -102,27 +64,7 @@ def fla_path(N):
 
 
 def triton_path(N):
-    """Our Triton kernels (linear_rope/ops/triton), the chunk-parallel design: C = 64, blocks of
-    BP = 8 rotation pairs (m = 266 padded to 272 features: 17 blocks), bf16 inputs. FLOPs, all on the bf16 tensor cores: every product of two fp32 values runs as
-    three bf16 products (``"bf16x3"``), of an fp32 value and an exact bf16 one (v, dnum's
-    pieces, the chunk's triangular matrix of ones) as two, and the exponent products x . w as
-    three (x exact, w in three pieces: ``"bf16w3"``). The features are recomputed where needed:
-    k twice in the state pass (two blocks of 32 values) and once in the output kernel, q once
-    there; backward q twice in the state-gradient pass, q and k in each of the dq, dk and dv
-    kernels: 12 feature evaluations of 2 N d mp FLOPs, x3.
-    Forward products: the state updates rk^T v (2N mp e, x2), the intra-chunk scores rq rk^T
-    and the unrotated ones for the denominator (2N C mp each, x3), the queries times the states
-    (2N mp e, x3), the scores times v (2N C e, x2). Backward: dh (2N mp e, x3); dq: dnum v^T
-    (2N C e, x2), dnum h^T (x3), its scores times rk (2N C mp, x3), the prefix sums of phi(k)
-    (2N C mp, x2), through w (2N mp d, x3); dk: v dnum^T (x2), v dh^T (x2), scores times rq
-    (x3), the suffix sums of dden phi(q) (x2), through w (x3); dv: the scores (x3), rk dh (x3),
-    scores^T dnum (2N C e, x3).
-    Bytes: q, k, v (bf16) and the fp32 tensors each kernel reads or writes, once per kernel
-    (programs of one head re-read q, k, v from L2); the chunk states h, dh [N/C, m, e] in fp32
-    written once and read once per kernel that takes them; the RoPE tables [N, m/2] cos and sin
-    in fp32, read by all six kernels (computing them on chip would save these); dnum's two bf16
-    pieces, written once and read by the three gradient kernels; the elementwise torch ops of
-    the wrapper (out to bf16; dnum, dden; dq, dk, dv to bf16)."""
+    """Our Triton kernels (linear_rope/ops/triton), the chunk-parallel design, bf16 inputs. Its FLOP and byte counts: docs/performance.md, "Methods"."""
     C, mp = 64, 2 * 8 * math.ceil(M / 2 / 8)
     feat = 12 * 2 * N * D * mp * 3
     fwd = 2 * N * mp * E * 2 + 2 * N * C * mp * 3 * 2 + 2 * N * mp * E * 3 + 2 * N * C * E * 2
@@ -140,10 +82,7 @@ def triton_path(N):
 
 
 def sdpa_path(N):
-    """Flash SDPA (exact causal softmax attention, bf16): forward 2 N^2 d (QK^T and PV over the
-    lower triangle), backward 2.5x. Bytes: forward q, k, v in, o out (bf16) and the log-sum-exp
-    (fp32); backward q, k, v, o, dout in, dq, dk, dv out, the fp32 dq accumulator read and
-    written once, and delta. K / V tiles re-read per query tile are taken to hit L2."""
+    """Flash SDPA (exact causal softmax attention, bf16). Its FLOP and byte counts: docs/performance.md, "Methods"."""
     f = 2 * N * N * D * 3.5
     b = 2 * 4 * N * D + 4 * N + 2 * 8 * N * D + 2 * 4 * N * D + 2 * 4 * N
     return [phase("flash kernels (bf16)", f, b, "bf16")]

@@ -2,35 +2,17 @@
 
     python -m benchmarks.fla_layout [--quick]
 
-Causal Eq. 19, fwd+bwd, fp32, d = 64, m = 266, N = 4096, B = 2, H = 6, 2 threads (the shape of
-``benchmarks.keywords``). Each call gets its inputs, and its upstream gradient, contiguous in its
-own layout, as a user of that layout holds them:
-
-* ``op/favor``: ``rotary_linear_attention`` on `[B, H, N, d]`, FAVOR+ inside (``projection``);
-* ``fla/favor``: ``chunk_rotary_linear_attn`` on `[B, T, H, d]`, the same (default scale: q is
-  not touched);
-* ``fla/favor+contiguous``: the same, with ``o.contiguous()`` (a packed `[B, T, H, e]` output);
-* ``op/features``, ``fla/features``: the same on non-negative features `[.., m]` (fla's default
-  scale cancels in Eq. 19, so it costs nothing).
-
-Targets: fla / op time <= 1.1 for each path (medians of interleaved rounds). On a shared machine
-those ratios carry the neighbours' noise, so the transposes' own cost is also read from one
-profiled fwd+bwd of each call: the time in copies (``aten::copy_``, where the op makes the
-transposed views contiguous) beyond the op's own copies, against the op's whole time, <= 0.1.
-Not part of ``benchmarks.run``; it writes ``benchmarks/results/fla_layout.json``, with the load
-average (``uptime``) before and after.
+How it measures: docs/performance.md, "Methods" (``benchmarks.fla_layout``).
 """
 from __future__ import annotations
 
-import os
-import subprocess
 
 import torch
 from torch.profiler import profile
 
 from linear_rope import FavorFeatures, chunk_rotary_linear_attn, rotary_linear_attention
 
-from .common import cli, interleaved, machine_info, median, report, setup, target
+from .common import cli, interleaved, load_average, machine_info, median, report, setup, target
 
 NAME = "fla_layout"
 B, H, D, M = 2, 6, 64, 266
@@ -38,14 +20,6 @@ FULL = dict(n=4096, rounds=9, budget_s=150.0)
 QUICK = dict(n=96, rounds=1, budget_s=5.0)
 TARGET = 1.1
 BASELINE = {"fla/favor": "op/favor", "fla/favor+contiguous": "op/favor", "fla/features": "op/features"}
-
-
-def uptime() -> str:
-    """``uptime``'s line (the load averages), or os.getloadavg where there is no such command."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def profiled_ms(fn) -> dict:
@@ -95,7 +69,7 @@ def make_calls(n: int, w: torch.Tensor) -> dict:
 def main(quick: bool = False, out_dir=None) -> dict:
     cfg = QUICK if quick else FULL
     setup(quick)
-    load_before = uptime()
+    load_before = "load average: " + load_average()
     w = FavorFeatures(D, M).projection
     calls = make_calls(cfg["n"], w)
     times = interleaved(calls, warmup=1, rounds=cfg["rounds"], budget_s=cfg["budget_s"])
@@ -112,7 +86,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
         "config": {"n": cfg["n"], "B": B, "H": H, "d": D, "m": M, "e": D, "rounds": rounds, "dtype": "float32",
                    "threads": torch.get_num_threads()},
         "machine": machine_info(),
-        "load": {"before": load_before, "after": uptime()},
+        "load": {"before": load_before, "after": "load average: " + load_average()},
         "ms": ms,
         "times_s": times,
         "ratio": ratio,

@@ -3,35 +3,10 @@ sequence, and the in-place ``Decoder`` vs the functional ``PerformerLM.step`` at
 
     python -m benchmarks.generation [--quick]
 
-Both models have the paper preset's width (dim 768, 12 heads x 64, m = 266) at a reduced depth
-(``FULL["model"]["depth"]``; the same for both): performer-pytorch re-reads the whole context
-for every token, so its per-token cost is a full forward pass and only a few of its tokens fit
-the time budget. Latency per token scales with depth for both, so the ratios hardly depend on it.
-
-* ours: ``linear_rope.model.PerformerLM`` prefilled to the context in one parallel pass
-  (``output_final_state=True``), then one ``step`` per token (greedy): O(1) in the context.
-* performer: ``AutoregressiveWrapper(performer_pytorch.PerformerLM(..., causal=True))``; one
-  token is one ``generate(start_tokens, 1)`` call at exactly that context.
-
-All per-token calls (every context, both models) run in one interleaved loop: ours for
-``tokens`` rounds, performer for ``performer_tokens`` rounds, after one warmup round. The table
-gives medians. Targets: ours@largest / ours@smallest context <= 1.2 (flat in the context), and
-performer / ours at the reference context (1024) >= 50.
-
-Decoder section (``DECODE``): the ``cpu`` preset's model (12 layers) at batch 8, prefilled to
-each context, then ``linear_rope.decode.Decoder.step`` (state updated in place) against
-``PerformerLM.step`` (states in, states out, per-row positions), interleaved, medians of
-``tokens`` steps each. ``count_dispatch`` counts what one step asks of a device: every ATen op
-that is not a view (or a bare allocation) is one kernel launch, ``_local_scalar_dense`` /
-``nonzero`` / ``masked_select`` are syncs, and a ``TorchFunctionMode`` counts host reads
-(``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``__index__`` on tensors) and
-``torch.tensor`` / ``as_tensor`` of Python data (a host-to-device copy on a GPU). The load of
-the machine (``uptime``) is recorded before and after. A full run also compiles the step
-(``compiled_step_kernels``) and counts the kernels of Inductor's generated code per step.
+How it measures: docs/performance.md, "Methods" (``benchmarks.generation``).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -41,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from linear_rope.decode import Decoder
 from linear_rope.model import ModelConfig, PerformerLM
 
-from .common import cli, format_table, interleaved, median, quiet, report, setup, target
+from .common import cli, format_table, interleaved, load_average, median, quiet, report, setup, target
 
 NAME = "generation"
 FULL = dict(
@@ -107,14 +82,6 @@ def count_dispatch(fn) -> dict:
             "by_op": d.launches, "syncs_by_op": d.syncs, "host_by_call": f.reads}
 
 
-def uptime() -> str:
-    """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 @torch.no_grad()
 def compiled_step_kernels(preset: str = "cpu", batch: int = 8) -> dict:
     """Compile ``Decoder.step`` for this machine (Inductor: C++ on a CPU, Triton on a GPU) and
@@ -147,7 +114,7 @@ def decode_section(quick: bool) -> dict:
     model = PerformerLM.from_preset(cfg["preset"]).eval()
     B, depth, n = cfg["batch"], model.cfg.depth, cfg["tokens"]
     g = torch.Generator().manual_seed(0)
-    load = {"before": uptime()}
+    load = {"before": load_average()}
     calls, counts, prefill_s = {}, {}, {}
     for c in cfg["contexts"]:
         ids = torch.randint(0, 256, (B, c), generator=g)
@@ -171,7 +138,7 @@ def decode_section(quick: bool) -> dict:
         counts[f"decoder@{c}"] = count_dispatch(lambda st=st: st["dec"].step(st["dtok"]))
         calls[f"step@{c}"], calls[f"decoder@{c}"] = functional, decoder
     times = interleaved(calls, warmup=1, rounds=n)
-    load["after"] = uptime()
+    load["after"] = load_average()
     ms = {k: 1e3 * median(t) for k, t in times.items()}
     per_layer = {k: {"launches": v["launches"] / depth, "syncs": v["syncs"] / depth, "host": v["host"] / depth}
                  for k, v in counts.items()}

@@ -1,16 +1,6 @@
 """Part 1 of ``benchmarks.gpu``: is every path right on the device?
 
-* **Fast vs naive**, for every keyword (``CASES``), in float64, float32, bfloat16 and float16:
-  the public ``rotary_linear_attention`` against ``naive_rotary_linear_attention`` run in
-  float64 on the same (rounded) inputs, outputs, final states and the gradients of q, k, v for a
-  random upstream gradient (of the final state too). A check passes when every element obeys
-  ``|fast - ref| <= atol * max|ref| + rtol * |ref|``, tolerances in ``tolerance``.
-* **Strict causality**: new keys, values and queries from position t0 on leave every output
-  before t0 *exactly* unchanged (difference 0.0), for the op and for the LM.
-* **Step = forward**: token-by-token ``rotary_linear_attention_step`` / ``PerformerLM.step``
-  against the parallel forward.
-* **Finite training steps** of the tiny LM under bf16 and fp16 autocast (fp16 with a
-  GradScaler), and on CUDA of the paper preset in fp16.
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_checks``).
 """
 from __future__ import annotations
 
@@ -27,7 +17,7 @@ from linear_rope import (
 from linear_rope.ops.triton.dispatch import use_backend
 from linear_rope.ops.tolerances import HALF_CONTRACT, check, rounded_error, tolerance, triton_tolerance
 
-from .gpu_common import NEEDS_CUDA, Ctx, one_line
+from .common import NEEDS_CUDA, Ctx, one_line
 
 __all__ = ["run", "tolerance", "triton_tolerance"]  # the tolerances live in linear_rope.ops.tolerances
 
@@ -41,9 +31,20 @@ def _rand(shape, g, *, positive=False):
         torch.randn(shape, generator=g, dtype=torch.float64)
 
 
-def _err(a: torch.Tensor, b: torch.Tensor, tol: dict, grad: bool = False) -> dict:
-    """Measured error of ``a`` against the float64 reference ``b`` (``tolerances.check``)."""
-    return check(a, b, tol, grad)
+def _record(name: str, dtype, tol: dict, errs: dict) -> dict:
+    """A check's record from its measured errors (``tolerances.check`` of each tensor)."""
+    worst = max(e["worst_over_tol"] for e in errs.values())
+    return {"check": name, "dtype": str(dtype)[6:], "rtol": tol["rtol"], "atol": tol["atol"], "why": tol["why"],
+            "errors": errs, "worst_over_tol": worst, "max_rel_to_max": max(e["max_rel_to_max"] for e in errs.values()),
+            "passed": bool(worst <= 1.0)}
+
+
+def _causal(name: str, dtype, a: torch.Tensor, b: torch.Tensor, t0: int, dim: int) -> dict:
+    """Outputs before ``t0`` must not move at all (along ``dim``); those from ``t0`` on must."""
+    d = (a.double() - b.double()).abs()
+    diff, moved = float(d.narrow(dim, 0, t0).max()), float(d.narrow(dim, t0, d.shape[dim] - t0).max())
+    return {"check": name, "dtype": str(dtype)[6:], "max_abs_before_t0": diff, "max_abs_from_t0": moved,
+            "passed": diff == 0.0 and moved > 0}
 
 
 def _outputs(res):
@@ -147,13 +148,13 @@ def _check_case(name, inputs, call, dtype, ctx: Ctx, W32, op=rotary_linear_atten
     rout, rst, rgrads, _ = _run(naive_rotary_linear_attention, call, refs, W32.double(), ups)
     names = ["out", *("S", "z")[:len(st)], "dq", "dk", "dv"]
     fast, ref = [out, *st, *grads], [rout, *rst, *rgrads]
-    errs = {n: _err(a, b, tol, grad=n.startswith("d")) for n, a, b in zip(names, fast, ref)}
+    errs = {n: check(a, b, tol, grad=n.startswith("d")) for n, a, b in zip(names, fast, ref)}
     contract = True
     if dtype != torch.float64:  # what a plain float32 computation, rounded once to dtype, achieves
         b32 = [t.detach().float().requires_grad_() for t in xs]
         bout, bst, bgrads, _ = _run(naive_rotary_linear_attention, call, b32, W32.float(), ups)
         for n, a, b in zip(names, [bout, *bst, *bgrads], ref):
-            base = rounded_error(a, b, dtype) if dtype != torch.float32 else _err(a, b, tol)["max_rel_to_max"]
+            base = rounded_error(a, b, dtype) if dtype != torch.float32 else check(a, b, tol)["max_rel_to_max"]
             errs[n]["naive_fp32_max_rel_to_max"] = base
             if dtype in (torch.bfloat16, torch.float16):  # the half-precision contract: within 2x of it
                 errs[n]["over_fp32_rounded"] = errs[n]["max_rel_to_max"] / max(base, torch.finfo(dtype).eps / 8)
@@ -220,10 +221,7 @@ def _layer_context(ctx: Ctx, s: dict) -> dict:
     ref = naive_rotary_linear_attention(q, k, v, causal=False, rotary=False, projection=layer.features.projection,
                                         mask=qm, key_mask=cm)
     ref = layer.to_out(ref.transpose(1, 2).reshape(B, N, H * d))
-    e = _err(out, ref, tol)
-    return {"check": "layer context= / context_mask=", "dtype": "float64", "rtol": tol["rtol"], "atol": tol["atol"],
-            "why": tol["why"], "errors": {"out": e}, "worst_over_tol": e["worst_over_tol"],
-            "max_rel_to_max": e["max_rel_to_max"], "passed": bool(e["worst_over_tol"] <= 1.0)}
+    return _record("layer context= / context_mask=", torch.float64, tol, {"out": check(out, ref, tol)})
 
 
 def _causality_op(ctx: Ctx, s: dict, dtype) -> dict:
@@ -237,10 +235,7 @@ def _causality_op(ctx: Ctx, s: dict, dtype) -> dict:
     with torch.no_grad():
         a = rotary_linear_attention(q, k, v, projection=W)
         b = rotary_linear_attention(q2, k2, v2, projection=W)
-    diff = float((a[:, :, :t0].double() - b[:, :, :t0].double()).abs().max())
-    moved = float((a[:, :, t0:].double() - b[:, :, t0:].double()).abs().max())
-    return {"check": f"strict causality: op, change from t={t0}", "dtype": str(dtype)[6:], "max_abs_before_t0": diff,
-            "max_abs_from_t0": moved, "passed": diff == 0.0 and moved > 0}
+    return _causal(f"strict causality: op, change from t={t0}", dtype, a, b, t0, 2)
 
 
 def _causality_lm(ctx: Ctx, s: dict, dtype) -> dict:
@@ -254,11 +249,8 @@ def _causality_lm(ctx: Ctx, s: dict, dtype) -> dict:
     ids2[:, t0:] = torch.randint(0, 256, (2, N - t0), generator=g).to(ctx.device)
     with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype):
         a, b = model(ids), model(ids2)
-    diff = float((a[:, :t0].double() - b[:, :t0].double()).abs().max())
-    moved = float((a[:, t0:].double() - b[:, t0:].double()).abs().max())
-    return {"check": f"strict causality: tiny LM logits, change from t={t0} ({str(dtype)[6:]} autocast)",
-            "dtype": str(dtype)[6:], "max_abs_before_t0": diff, "max_abs_from_t0": moved,
-            "passed": diff == 0.0 and moved > 0}
+    return _causal(f"strict causality: tiny LM logits, change from t={t0} ({str(dtype)[6:]} autocast)", dtype, a, b,
+                   t0, 1)
 
 
 def _step_op(ctx: Ctx, s: dict, dtype) -> dict:
@@ -273,11 +265,8 @@ def _step_op(ctx: Ctx, s: dict, dtype) -> dict:
         for t in range(s["N"]):
             o, state = rotary_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, offs + t, projection=W)
             outs.append(o)
-    errs = {"out": _err(torch.stack(outs, 2), full, tol), "S": _err(state.S, S, tol), "z": _err(state.z, z, tol)}
-    worst = max(e["worst_over_tol"] for e in errs.values())
-    return {"check": "step = forward: op, per-row positions", "dtype": str(dtype)[6:], "rtol": tol["rtol"],
-            "atol": tol["atol"], "errors": errs, "worst_over_tol": worst,
-            "max_rel_to_max": max(e["max_rel_to_max"] for e in errs.values()), "passed": bool(worst <= 1.0)}
+    return _record("step = forward: op, per-row positions", dtype, tol,
+                   {"out": check(torch.stack(outs, 2), full, tol), "S": check(state.S, S, tol), "z": check(state.z, z, tol)})
 
 
 def _step_lm(ctx: Ctx, s: dict, dtype) -> dict:
@@ -294,10 +283,8 @@ def _step_lm(ctx: Ctx, s: dict, dtype) -> dict:
         for t in range(p, N):
             lt, states = model.step(ids[:, t], states, t)
             outs.append(lt[:, None])
-    e = _err(torch.cat(outs, 1), full, tol)
-    return {"check": f"step = forward: tiny LM, prefill {p} then steps", "dtype": str(dtype)[6:], "rtol": tol["rtol"],
-            "atol": tol["atol"], "errors": {"logits": e}, "worst_over_tol": e["worst_over_tol"],
-            "max_rel_to_max": e["max_rel_to_max"], "passed": bool(e["worst_over_tol"] <= 1.0)}
+    return _record(f"step = forward: tiny LM, prefill {p} then steps", dtype, tol,
+                   {"logits": check(torch.cat(outs, 1), full, tol)})
 
 
 def _first_nonfinite(model: torch.nn.Module):

@@ -1,31 +1,14 @@
 #!/usr/bin/env bash
-# A 10-minute benchmark run on one GPU (docs/gpu.md): one command, under 9.5 minutes by the
-# budgets below, each part writing its JSON and Markdown into $OUT as it ends:
+# The GPU benchmark plan (docs/gpu.md has what each part measures and its budget):
 #
-#   bash benchmarks/gpu_plan.sh window     # 1. training: the paper preset's tokens/s and MFU,
-#                                          #    softmax (flash SDPA) first, then rope and none at
-#                                          #    N = 1024, rope_pre and N = 4096 as time allows
-#                                          #    (each compiled as the trainer compiles it)   200 s
-#                                          # 2. decoding ms/step at 1k and 16k context          45 s
-#                                          # 3. op speed against flash SDPA and fla (fla's
-#                                          #    autotuning capped)                             120 s
-#                                          # 4. correctness on the device                        75 s
-#                                          # 5. the Triton kernels' triage (one process per
-#                                          #    config: a fault poisons the process)            50 s
+#   bash benchmarks/gpu_plan.sh window     # 10 minutes: training table, decoding, op speed, correctness, triage
+#   bash benchmarks/gpu_plan.sh check      # correctness, then op speed (bf16, N = 1k..16k)       (450 s)
+#   bash benchmarks/gpu_plan.sh train      # the paper preset's training phases, decoding          (420 s)
+#   bash benchmarks/gpu_plan.sh ablation   # the paper-width ablation, five variants   (5 x 85 s + exports)
 #
-# WINDOW_S (default 550) caps the whole: each part gets its budget or what the window has left
-# less 20 s, whichever is less, and `timeout` stops a part 25 s past its budget (the part's own
-# deadline fires at 20 s), so the last part ends by 555 s after the wheels' install. With more time, the three full commands,
-# each under 9 minutes:
-#
-#   bash benchmarks/gpu_plan.sh check      # correctness, then op speed (bf16, N = 1k..16k)  (450 s)
-#   bash benchmarks/gpu_plan.sh train      # the paper preset's training phases, decoding     (420 s)
-#   bash benchmarks/gpu_plan.sh ablation   # the paper-width ablation, five variants    (5 x 85 s + exports)
-#
-# On a machine without network, `bash benchmarks/gpu_wheels.sh` beforehand fetches the pure-Python
-# wheels the benchmark needs into .whl/ (performer-pytorch, fla-core, einops) and copies the
-# sample corpus to data/; the script installs those wheels itself (WHEELS, default .whl) into
-# SITE (/tmp/site). QUICK=1 runs the same commands on the CPU at toy sizes (a CI dry run).
+# WINDOW_S (default 550) caps the window: a part gets its budget or what is left less 20 s, and
+# `timeout` stops it 25 s past that. Wheels from WHEELS (default .whl, made by
+# benchmarks/gpu_wheels.sh) install into SITE (/tmp/site); QUICK=1 runs on the CPU at toy sizes (CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}

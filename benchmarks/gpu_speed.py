@@ -1,32 +1,6 @@
 """Part 2 of ``benchmarks.gpu``: op speed, forward and fwd+bwd, bf16 inputs, d = 64.
 
-Every row names the implementation that ran (its ``path`` field), and both of our paths are
-timed, each forced, so that neither hides behind the dispatch:
-
-* ``ours_torch``: ``linear_rope.rotary_linear_attention(q, k, v, projection=W)``, W `[266, 64]`,
-  under ``use_backend("torch")``: causal Eq. 19 with FAVOR+ inside on the torch path (chunked
-  batched GEMMs, float32 inside whatever the input dtype).
-* ``ours_triton``: the same call under ``use_backend("triton")``: the Triton kernels (FAVOR+,
-  RoPE and the running state on chip; TF32x3 exponents, rounded-TF32 GEMMs on bf16 inputs).
-  On the CPU (quick mode) they run in Triton's interpreter: the rows exist, their times mean nothing.
-* ``ours_fla``: the same call under ``use_backend("fla")``: the fla-backed path
-  (``linear_rope/ops/fla_path.py``: FAVOR+ and RoPE in torch, numerator and denominator on
-  fla-core's ``chunk_linear_attn``). Needs CUDA and fla-core (``linear_rope[fla]``); on the CPU
-  the row says so.
-* ``sdpa``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` under
-  ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on CUDA (the default backend, with a note, if
-  flash cannot run); exact softmax attention.
-* ``fla_chunk`` / ``fla_fused_chunk``: fla's ``chunk_linear_attn`` / ``fused_chunk_linear_attn``
-  (normalised) on elu+1 features of K = 64 (its own feature map: no random features, no RoPE).
-  fla autotunes its kernels on their first call for a shape: each is called once per shape
-  and mode before the timed cells, and that cost is reported (``fla_warmup_s``).
-* ``performer``: performer-pytorch's ``FastAttention(64, 266, causal=True)`` in bf16.
-
-Times are medians of CUDA-event timed calls after one warmup (``gpu_common.time_call``);
-memory is the peak allocated during a call above the inputs. FLOPs (2 per multiply-add, the
-backward counted as 2x the forward): ours ``benchmarks.attention.ours_flops``, sdpa
-``sdpa_flops`` (causal: half of QK^T and PV), fla the same chunked count with K = 64 and no
-projections, performer its two projections and the outer-product prefix sums (4 N m e).
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_speed``).
 """
 from __future__ import annotations
 
@@ -43,7 +17,7 @@ from linear_rope import FavorFeatures, rotary_linear_attention
 from linear_rope.ops.triton import kernel_status, use_backend
 
 from .attention import ours_flops, sdpa_flops
-from .gpu_common import NEEDS_CUDA, Ctx, PartTimeout, is_oom, one_line, time_call
+from .common import NEEDS_CUDA, Ctx, PartTimeout, is_oom, measure, one_line
 
 D, M, FLA_K = 64, 266, 64
 MODES = ("fwd", "fwd+bwd")
@@ -170,28 +144,22 @@ PATHS = {"ours_torch": "torch path", "ours_triton": "triton kernels", "ours_fla"
 def impls(ctx: Ctx) -> dict:
     """name -> (fn or None, description or skip reason), in the order each N measures them: the
     comparison that matters first (the kernels, flash, fla), then the rest."""
-    res = {}
     W = FavorFeatures(D, M).projection.to(ctx.device)
-    res["ours_triton"] = _ours_triton(ctx, W)
-    others = {"sdpa": lambda: _flash(ctx), "fla_chunk": lambda: _fla(ctx, False)}
-    for name, make in others.items():
+    makers = {"ours_triton": lambda: _ours_triton(ctx, W), "sdpa": lambda: _flash(ctx),
+              "fla_chunk": lambda: _fla(ctx, False),
+              "ours_torch": lambda: (_ours(W, "torch"), "torch path: linear_rope.rotary_linear_attention(projection=W "
+                                                        "[266, 64]) forced onto it, causal Eq. 19, float32 inside"),
+              "fla_fused_chunk": lambda: _fla(ctx, True), "performer": lambda: _performer(ctx),
+              # last: its first call at a new feature width autotunes fla's kernels again (the first
+              # GPU run spent its part's remaining 90 s there, before any flash or fla cell)
+              "ours_fla": lambda: _ours_fla(ctx, W)}
+    keep = [n.strip() for n in os.environ.get("SPEED_IMPLS", "").split(",") if n.strip()] or list(makers)
+    res = {}
+    for name, make in makers.items():
         try:
-            res[name] = make()
+            res[name] = make() if name in keep else (None, "skipped: not in SPEED_IMPLS")
         except Exception as e:
             res[name] = (None, f"error: {one_line(e)}")
-    res["ours_torch"] = (_ours(W, "torch"), "torch path: linear_rope.rotary_linear_attention(projection=W [266, 64]) "
-                                            "forced onto it, causal Eq. 19, float32 inside")
-    for name, make in (("fla_fused_chunk", lambda: _fla(ctx, True)), ("performer", lambda: _performer(ctx))):
-        try:
-            res[name] = make()
-        except Exception as e:
-            res[name] = (None, f"error: {one_line(e)}")
-    # last: its first call at a new feature width autotunes fla's kernels again (the first GPU run
-    # spent its part's remaining 90 s there, before any flash or fla cell)
-    res["ours_fla"] = _ours_fla(ctx, W)
-    keep = [n.strip() for n in os.environ.get("SPEED_IMPLS", "").split(",") if n.strip()]
-    if keep:
-        res = {n: (res[n] if n in keep else (None, "skipped: not in SPEED_IMPLS")) for n in res}
     return res
 
 
@@ -358,15 +326,15 @@ def _measure(ctx: Ctx, name: str, fn, mode: str, q, k, v, cfg) -> dict:
             with torch.no_grad():
                 fn(q, k, v)
         if name == "ours_triton" and not ctx.cuda:  # the interpreter: one untimed-warmup-free call
-            return time_call(ctx, call, reps=1, max_s=0.0, warmup=0)
-        return time_call(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
+            return measure(ctx, call, reps=1, max_s=0.0, warmup=0)
+        return measure(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.no_grad():
         up = torch.randn_like(fn(q, k, v))
 
     def call():
         torch.autograd.grad(fn(*leaves), leaves, up)
-    return time_call(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
+    return measure(ctx, call, reps=cfg["reps"], max_s=cfg["cell_max_s"])
 
 
 def profile_ours(ctx: Ctx, fn, B: int, H: int, n: int, top: int = 12) -> dict:

@@ -1,23 +1,6 @@
 """Parts 3 and 4 of ``benchmarks.gpu``: LM training throughput and batched decoding.
 
-**Training** (part 3): the ``paper`` preset (``tiny`` in CPU quick mode) on byte crops of the
-corpus, AdamW (lr ``LR`` after ``WARMUP`` linear warmup steps, gradients clipped at 1), bf16
-autocast, no feature redraws. First eager on the torch path, then eager on the Triton kernels
-(CUDA, where they run), then the same model and optimizer compiled in place
-(``model.compile()``: the graph holds the torch path's custom op), so one loss curve runs
-through the phases, each naming the attention path it took; ``compiled_speedup`` compares the
-compiled phase with the eager one on the same (torch) path. The batch starts at
-``--train-batch`` and is halved on out-of-memory. Reported per phase: tokens/s over the timed
-steps (after warmup), model FLOP utilisation against the card's dense bf16 peak, the peak
-memory, and the loss every step::
-
-    model FLOPs per token = 6 x (parameters other than the token embedding)
-                          + depth x ours_flops(seq, heads=H, fwd+bwd) / seq
-
-**Generation** (part 4): the same preset with fresh weights, bf16 autocast, a batch of
-``--gen-batch`` random-byte prompts of C tokens read in one parallel pass
-(``output_final_state=True``), then greedy ``PerformerLM.step`` tokens at positions C, C+1, ...
-Reported: prefill tokens/s and decoding tokens/s (batch x steps / seconds) at each C.
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_train``).
 """
 from __future__ import annotations
 
@@ -31,7 +14,7 @@ from linear_rope.model import MODEL_PRESETS
 from linear_rope.ops.triton import kernel_status, record_paths, use_backend
 
 from .attention import ours_flops, sdpa_flops
-from .gpu_common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
+from .common import NEEDS_CUDA, Ctx, batch_of, is_oom, load_corpus, one_line
 
 LR, WARMUP = 3e-4, 20
 # The training table (part 0, ``run_compare``): the comparison users make, in this order, each
@@ -71,6 +54,32 @@ def compile_model(model: torch.nn.Module, device: torch.device) -> str:
         return f"torch.compile, the whole model (fullgraph=True refused: {one_line(e)})"
 
 
+def _train_step(model, opt, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One AdamW step under bf16 autocast, gradients clipped at 1; the loss, not read back."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+def _timed_steps(ctx: Ctx, step, seconds: float, max_steps: int = 1 << 30) -> tuple[list, float]:
+    """Steps for about ``seconds`` (at least 2, at most ``max_steps``, none once the part has 5 s
+    left): their losses, not read back but every tenth (so the clock sees the GPU's progress),
+    and their wall time."""
+    ctx.sync()
+    t1, losses = time.perf_counter(), []
+    while len(losses) < max_steps and (len(losses) < 2 or (time.perf_counter() - t1 < seconds and ctx.left() > 5)):
+        losses.append(step())
+        if len(losses) % 10 == 0:
+            float(losses[-1])
+    ctx.sync()
+    return losses, time.perf_counter() - t1
+
+
 def _compare_row(ctx: Ctx, cfg: dict, corpus, position: str, seq: int) -> dict:
     """One row of the training table: a fresh ``paper`` model at ``position`` and ``seq``,
     compiled as the trainer compiles it, AdamW; the first step (compile included) timed apart,
@@ -85,15 +94,7 @@ def _compare_row(ctx: Ctx, cfg: dict, corpus, position: str, seq: int) -> dict:
     g = torch.Generator().manual_seed(0)
 
     def step():
-        x, y = (t.to(ctx.device, non_blocking=True) for t in batch_of(corpus, batch, seq, g))
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.detach()
+        return _train_step(model, opt, *(t.to(ctx.device, non_blocking=True) for t in batch_of(corpus, batch, seq, g)))
 
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -103,15 +104,8 @@ def _compare_row(ctx: Ctx, cfg: dict, corpus, position: str, seq: int) -> dict:
     compile_s = time.perf_counter() - t0
     for _ in range(cfg["warmup_steps"]):
         step()
-    ctx.sync()
-    t1, steps = time.perf_counter(), 0
-    while steps < 2 or (time.perf_counter() - t1 < cfg["row_s"] and ctx.left() > 5):
-        last = step()
-        steps += 1
-        if steps % 10 == 0:
-            float(last)  # a sync now and then, so the clock sees the GPU's progress
-    ctx.sync()
-    dt = time.perf_counter() - t1
+    losses, dt = _timed_steps(ctx, step, cfg["row_s"])
+    steps, last = len(losses), losses[-1]
     tps = steps * batch * seq / dt
     peak = ctx.peak_tflops()
     if position == "softmax":
@@ -188,15 +182,8 @@ class _Run:
         x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
         for grp in self.opt.param_groups:
             grp["lr"] = LR * min(1.0, (self.step_no + 1) / WARMUP)
-        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16):
-            logits = self.model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
         self.step_no += 1
-        return loss.detach()
+        return _train_step(self.model, self.opt, x, y)
 
     def fit_batch(self) -> None:
         """One step at the current batch, halving it on out-of-memory (CUDA)."""
@@ -223,16 +210,10 @@ class _Run:
             for _ in range(max(1, warmup)):
                 self.curve.append([self.step_no, float(self.step()), name])
         warm_s = time.perf_counter() - t0
-        ctx.sync()
-        t1, losses, steps = time.perf_counter(), [], 0
-        while steps < cfg["max_steps"] and (steps < 2 or time.perf_counter() - t1 < seconds - warm_s):
-            losses.append((self.step_no, self.step()))
-            steps += 1
-            if steps % 10 == 0:
-                float(losses[-1][1])  # a sync now and then, so the clock sees the GPU's progress
-        ctx.sync()
-        dt = time.perf_counter() - t1
-        self.curve += [[s, float(l), name] for s, l in losses]
+        first = self.step_no
+        losses, dt = _timed_steps(ctx, self.step, seconds - warm_s, cfg["max_steps"])
+        steps = len(losses)
+        self.curve += [[first + i, float(l), name] for i, l in enumerate(losses)]
         tps = steps * self.batch * cfg["seq"] / dt
         peak = ctx.peak_tflops()
         mfu = self.res["flops_per_token"] * tps / (peak * 1e12) if peak else None

@@ -1,23 +1,9 @@
 #!/usr/bin/env bash
-# Fetch here (where PyPI is reachable) what `python -m benchmarks.gpu` needs on the device machine
-# (which has torch, triton, numpy, setuptools, transformers, but no network), for its `carry`:
-#
-#   .whl/                          pure-Python wheels: performer-pytorch and its dependencies
-#                                  (FavorFeatures draws its projection with it; the performer
-#                                  baseline), fla-core (fla's chunk_linear_attn kernels), einops
-#   data/enwiki-sample.xml.bz2     the shared sample, for the training part's loss curve
-#
-# Both paths are git-ignored (.whl/ through .git/info/exclude, data/* through .gitignore), so
-# they travel only when named in `carry`. Run from anywhere in the checkout:
-#
-#   bash benchmarks/gpu_wheels.sh                    # EXTRA="flash-linear-attention==0.6.0" adds fla's
-#                                                    # layers and models (not used here; they import transformers)
-#
-# then on the device, in one call: carry [".whl", "data/enwiki-sample.xml.bz2"] and
-#
-#   set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; nvidia-smi; \
-#   PYTHONUNBUFFERED=1 timeout 570 python3 -m benchmarks.gpu --out $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
+# Fetch here (where PyPI is reachable) what the GPU benchmark needs on a device machine without
+# network: pure-Python wheels into .whl/ (performer-pytorch and its dependencies, fla-core,
+# einops; EXTRA adds more) and the shared sample into data/. Both paths are git-ignored, so the
+# device call carries them: carry [".whl", "data/enwiki-sample.xml.bz2"], then
+# `bash benchmarks/gpu_plan.sh window` there installs the wheels itself (docs/gpu.md).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-path info/exclude)"

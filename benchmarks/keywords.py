@@ -2,20 +2,7 @@
 
     python -m benchmarks.keywords [--quick]
 
-The public op with FAVOR+ inside (``projection``), Eq. 19, causal, fwd+bwd, fp32, d = 64,
-m = 266, N = 4096 tokens per row, B*H = 12, 2 threads. Each configuration is timed against a
-plain call of the same shape in the same interleaved rounds:
-
-* ``mask``: B = 2, H = 6; row 1 has 25% left padding (1024 masked tokens), row 0 none. The
-  plain call has the same B = 2, H = 6 and no mask.
-* ``cu_seqlens``: B = 1, H = 12; 6 documents of lengths 1100, 300, 900, 45, 1500, 251 packed in
-  the 4096 tokens (odd lengths, so no document ends on a chunk boundary). Plain: B = 1, H = 12.
-* ``initial_state``: B = 1, H = 12, a random non-negative state (S, z) in, and its gradient
-  (``output_final_state=True``, the final state enters the loss too). Plain: B = 1, H = 12.
-* ``offsets``: B = 2, H = 6, per-row offsets ``[0, 1000]`` (a LongTensor `[B]`: each row
-  continues its own sequence at its own position). Plain: B = 2, H = 6.
-
-Target for each: keyword time / plain time <= 1.2 (medians of interleaved rounds).
+How it measures: docs/performance.md, "Methods" (``benchmarks.keywords``).
 """
 from __future__ import annotations
 
@@ -23,7 +10,7 @@ import torch
 
 from linear_rope import FavorFeatures, LinearAttentionState, rotary_linear_attention
 
-from .common import cli, fmt, interleaved, median, report, setup, target
+from .common import cli, interleaved, median, report, setup, target
 
 NAME = "keywords"
 D, M = 64, 266

@@ -55,7 +55,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,8 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .common import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = str(ROOT / "linear_rope") + os.sep
@@ -565,16 +566,8 @@ def calibration(res: dict, ns) -> dict:
     return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.launches", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.launches", allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--backend", default=None, help="LINEAR_ROPE_BACKEND for the run (torch, auto, ...; default: "
                    "as the environment has it, else auto)")
     p.add_argument("--n", type=int, nargs="+", default=None, help="sequence lengths (default 1024 4096)")
@@ -611,7 +604,7 @@ def _main(a, ns, argv) -> dict:
     res = run(preset, ns, depth, decode_batch=2 if a.quick else 8, compiled=not (a.quick or a.no_compile))
     cmd = "python -m benchmarks.launches" + (f" {' '.join(argv)}" if argv is not None else
                                              (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""))
-    out = {"name": "launches", "command": cmd.strip(), "commit": _commit(), "backend": chosen,
+    out = {"name": "launches", "command": cmd.strip(), "commit": commit(), "backend": chosen,
            "torch": torch.__version__, "quick": a.quick, "depth": depth, "B": 1,
            "decode_batch": 2 if a.quick else 8, "autocast": "bf16 on the CPU", "ns": ns,
            "rules": __doc__.split("Counting rules (``Counter``):")[1].split("\nSizes:")[0].strip(),

@@ -1,8 +1,8 @@
 """Strict causality: how much do outputs at positions < t move when only keys at >= t change?
 
-performer-pytorch's causal FAVOR+ subtracts a key max taken over the whole sequence, so future
-keys change past outputs. Ours uses a data-independent key shift (see linear_rope.features).
-Same random inputs, same projection, for both. Run: python -m benchmarks.leak [--quick]. Strictly causal means no change at all.
+    python -m benchmarks.leak [--quick]
+
+How it measures: docs/performance.md, "Methods" (``benchmarks.leak``).
 """
 from __future__ import annotations
 

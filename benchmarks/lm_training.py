@@ -2,25 +2,7 @@
 
     python -m benchmarks.lm_training [--quick]
 
-Both models have the paper preset's width (dim 768, 12 heads x 64, m = 266, feed-forward 4x)
-at a reduced depth, the same for both (performer-pytorch's attention backward on CPU is slow
-enough that a deeper model does not fit the time budget). Theirs is
-``performer_pytorch.PerformerLM(num_tokens=256, max_seq_len=1024, ..., causal=True)`` with its
-defaults (rotary position embedding, no local heads). A step is zero_grad, forward on
-`[batch, 1024]` random bytes, next-byte cross entropy, backward and AdamW (same settings for
-both); the two models' steps alternate, after one warmup step each.
-
-Model FLOP utilisation = model FLOPs per token x tokens/s / fp32 GEMM rate, with the GEMM rate
-measured in the same interleaved rounds (``common.gemm_probe``: on a shared machine a peak
-taken at another moment can be off by 2x either way), and
-
-    model FLOPs per token = 6 x (parameters other than the token embedding)
-                          + depth x attention FLOPs per token, fwd+bwd
-                            (``benchmarks.attention.ours_flops`` at N = seq, / seq)
-
-The same count serves both models (the same architecture does the same useful work), so their
-MFU ratio is their throughput ratio. LayerNorm, GELU, softmax and the optimizer are not counted.
-Targets: ours >= 2x performer tokens/s; ours MFU >= 40%.
+How it measures: docs/performance.md, "Methods" (``benchmarks.lm_training``).
 """
 from __future__ import annotations
 

@@ -3,30 +3,10 @@
     python -m benchmarks.memory [--quick]
     python -m benchmarks.memory --one --impl ours_inside --n 65536 --mode fwd+bwd   # one child
 
-Same op, shapes and skips as ``benchmarks.attention``. A child imports everything, builds the
-module and the inputs (q, k, v and an upstream gradient, `[1, 12, N, 64]` fp32 each), resets
-its high-water mark to its current resident set (``reset_peak_rss``, so import-time peaks do
-not mask the op) and reads it (``peak_rss_mib``): that is the baseline. It then runs the op once
-and reads the high-water mark again. The table gives the difference, MiB above baseline: the
-op's transient peak plus what outlives it (for fwd+bwd, the q, k, v gradients: 3 x N x 768 x
-4 B, 576 MiB at N = 64k).
-
-The high-water mark is Linux's VmHWM, the quantity ``ru_maxrss`` is meant to give: in a child
-``ru_maxrss`` also holds the parent's peak, inherited across fork + exec, which after the
-attention benchmark at N = 64k would hide every smaller peak.
-
-Children run with glibc's default allocator, as users get it (no ``MALLOC_*`` variables; earlier
-versions set ``MALLOC_MMAP_THRESHOLD_``). With the default, dynamic mmap threshold, freed
-chunks of up to 32 MiB stay in the heap and count in the resident set: the figures are what a
-user's process holds, fragmentation included (performer's many ~26 MiB per-chunk tensors make
-its column vary run to run). Tensors above 32 MiB (all of ours at large N) are mapped either way.
-
-Targets: ours_inside fwd+bwd at the largest N <= 2 GiB above baseline, and growth linear in N:
-the least-squares slope of log(MiB) against log(N) over N >= 4096 (``slope_min_n``) <= 1.15.
+How it measures: docs/performance.md, "Methods" (``benchmarks.memory``).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -35,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from linear_rope import FavorFeatures
 
 from .attention import D, IMPLS, M, make_call, make_inputs, make_op, make_performer, skip_reason
-from .common import fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
+from .common import cli, fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
 
 NAME = "memory"
 MODES = ("fwd", "fwd+bwd")
@@ -44,7 +24,7 @@ MODES = ("fwd", "fwd+bwd")
 FULL = dict(ns=(1024, 4096, 16384, 65536), slope_min_n=4096, jobs=1, modes=("fwd+bwd",),
             skip={("ours_features_in", 65536, "fwd"): "time budget", ("ours_features_in", 65536, "fwd+bwd"): "time budget",
                   ("ours_inside", 65536, "fwd"): "time budget",
-                  ("performer", 4096, "fwd+bwd"): "time budget (101 s and 9.5 GiB when it last ran)"})
+                  ("performer", 4096, "fwd+bwd"): "time budget (101 s and 9.5 GiB in the issue-22 run)"})
 # Quick: fwd+bwd, every impl at N = 64 and ours_inside also at 128 (for the slope), two children
 # at a time (a tiny child is mostly imports and first-call set-up).
 QUICK = dict(ns=(64, 128), slope_min_n=0, jobs=2, modes=("fwd+bwd",),
@@ -77,7 +57,10 @@ def loglog_slope(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
-def main(quick: bool = False, out_dir=None) -> dict:
+def main(quick: bool = False, out_dir=None, one: bool = False, impl=None, n=None, mode=None) -> dict | None:
+    if one:  # a child: one configuration, its figures as the last line of stdout
+        print(json.dumps(measure_one(impl, n, mode, quick)))
+        return None
     cfg = QUICK if quick else FULL
     modes = cfg.get("modes", MODES)
     todo, skipped = [], {}
@@ -139,15 +122,6 @@ def main(quick: bool = False, out_dir=None) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests (with --one: 1 thread)")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    p.add_argument("--one", action="store_true", help="child mode: measure one configuration, print JSON")
-    p.add_argument("--impl", choices=IMPLS, help="with --one: the implementation")
-    p.add_argument("--n", type=int, help="with --one: the sequence length")
-    p.add_argument("--mode", choices=MODES, help="with --one: fwd or fwd+bwd")
-    a = p.parse_args()
-    if a.one:
-        print(json.dumps(measure_one(a.impl, a.n, a.mode, a.quick)))
-    else:
-        main(a.quick, a.out_dir)
+    cli(main, __doc__, one=dict(action="store_true", help="child mode: measure one configuration, print JSON"),
+        impl=dict(choices=IMPLS, help="with --one: the implementation"),
+        n=dict(type=int, help="with --one: the sequence length"), mode=dict(choices=MODES, help="with --one: fwd or fwd+bwd"))

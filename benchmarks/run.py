@@ -25,8 +25,8 @@ from pathlib import Path
 from . import attention, bounds, busy_neighbour, generation, keywords, leak, lm_training, memory, training
 from . import compile as compile_bench
 from .common import (
-    REPO_ROOT, RESULTS_DIR, THREADS_ENV, fmt, format_table, gemm_n, machine_info, machine_peak, ours_path, setup,
-    target_line, write_json,
+    REPO_ROOT, RESULTS_DIR, THREADS_ENV, fmt, format_table, gemm_n, load_average, machine_info, machine_peak, ours_path,
+    setup, target_line, write_json,
 )
 
 # The default run, in order (bounds last: it reads training.json of the same run).
@@ -34,14 +34,6 @@ BENCHMARKS = {m.NAME: m for m in (attention, keywords, memory, compile_bench, tr
                                    bounds)}
 OPT_IN = {busy_neighbour.NAME: busy_neighbour}  # only with --only
 GPU_MD = RESULTS_DIR / "gpu.md"
-
-
-def load() -> str:
-    """The 1/5/15-minute load averages: on a shared machine, how busy it was around the run."""
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def misses_section(results: dict[str, dict]) -> list[str]:
@@ -169,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     md = Path(a.md) if a.md else (out_dir / "BENCHMARKS.md" if a.quick else REPO_ROOT / "BENCHMARKS.md")
     setup(a.quick)
     machine = machine_info()
-    before = load()
+    before = load_average()
     t0 = time.perf_counter()
     peak = machine_peak(a.quick)
     results = {}
@@ -177,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         t = time.perf_counter()
         results[name] = {**BENCHMARKS, **OPT_IN}[name].main(a.quick, out_dir)
         results[name]["wall_s"] = time.perf_counter() - t
-        results[name]["load"] = load()  # after it, 1/5/15 min
+        results[name]["load"] = load_average()  # after it, 1/5/15 min
         write_json(results[name], out_dir)  # again, with wall_s
         print(f"{name}: {fmt(results[name]['wall_s'] / 60)} min", flush=True)
     wall = time.perf_counter() - t0
@@ -192,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     results = {n: results[n] for n in [*BENCHMARKS, *OPT_IN] if n in results}
     command = " ".join(["python -m benchmarks.run", *argv])
     md.parent.mkdir(parents=True, exist_ok=True)
-    loads = (before, load())
+    loads = (before, load_average())
     md.write_text(render(results, machine, command, wall, peak, loads, earlier))
     summary = {"name": "summary", "quick": a.quick, "command": command, "wall_s": wall, "load_before": loads[0],
                "load_after": loads[1], "from_earlier_runs": earlier, "machine": {**machine, "gemm_gflop_per_s": peak, "gemm_n": gemm_n(a.quick)},

@@ -2,13 +2,7 @@
 
     python -m benchmarks.tensor_core_precision [--out benchmarks/results/tensor_core_precision.json]
 
-Runs the kernels in Triton's interpreter with ``emulation.tensor_core_dots`` (each ``tl.dot`` as
-the tensor cores compute it) on the GPU checks' case (B = 2, H = 1, N = 300, d = 64, m = 266,
-offset 3, final state, random upstream gradient in the output's dtype), against the float64
-reference on the same rounded inputs, and reports each tensor's max error / max|ref| beside
-what float32 rounded to the input dtype achieves (the 2x contract of ``tolerances``). Run it
-against another checkout with ``PYTHONPATH=<checkout>`` (the emulation module must exist there:
-copy ``linear_rope/ops/triton/emulation.py`` in) to compare two versions of the kernels.
+How it measures: docs/performance.md, "Methods" (``benchmarks.tensor_core_precision``).
 """
 from __future__ import annotations
 
@@ -18,7 +12,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.language is impo
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -29,6 +22,8 @@ from linear_rope.features import FavorFeatures  # noqa: E402
 from linear_rope.ops import naive_rotary_linear_attention  # noqa: E402
 from linear_rope.ops.triton import rotary_linear_attention as kernels  # noqa: E402
 from linear_rope.ops.triton.emulation import tensor_core_dots  # noqa: E402
+
+from .common import commit  # noqa: E402
 
 NAMES = ("out", "S", "z", "dq", "dk", "dv")
 
@@ -75,10 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/tensor_core_precision.json"))
     args = ap.parse_args(argv)
     res = measure()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(linear_rope.__file__).parent,
-                            capture_output=True, text=True).stdout.strip()
     doc = {"command": "python -m benchmarks.tensor_core_precision", "code": str(Path(linear_rope.__file__).parent),
-           "commit": commit, "case": "B=2, H=1, N=300, d=64, m=266, offset 3, final state", "errors": res}
+           "commit": commit(Path(linear_rope.__file__).parent), "case": "B=2, H=1, N=300, d=64, m=266, offset 3, final state", "errors": res}
     for dt, r in res.items():
         print(dt + ": " + ", ".join(f"{n} {r[n]['kernels']:.1e} ({r[n]['ratio']:.2f}x)" for n in NAMES))
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

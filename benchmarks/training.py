@@ -2,25 +2,10 @@
 
     python -m benchmarks.training [--quick] [--base-ref 92ee694]
 
-Each side trains the way ``linear_rope.train`` trains, with its own tree's defaults: a child
-process imports ``linear_rope`` from its tree (ours from this repository, the base from a ``git
-worktree`` of ``--base-ref``, the commit before the custom op, made under a temporary directory
-and removed afterwards), builds that tree's ``Trainer`` for the preset (``rope``, seed 0, the
-preset's ``TrainConfig``, whatever that tree makes of it: compiled or not, which optimizer) and
-calls its ``train_step`` for ``warmup`` + ``steps`` steps. Both trees read the same data (one
-fixed array of random bytes) on the same thread count.
-
-Children alternate, base then ours then base ..., so a drift of the shared machine hits both
-alike; each child times its steps after ``warmup`` and reports their median. Each tree's step
-time is its best child's median (bursts of load slow whole children); the median of all steps
-is recorded too, and the CPU seconds per step (``time.process_time``): at one thread on a shared
-machine, the step's cost that other jobs do not inflate, a second reading of the ratio. The
-warm-up steps (where compilation happens) are reported separately, as
-"warm-up s": they are not in tokens/s. Target: ours / base tokens/s >= 2 for each preset.
+How it measures: docs/performance.md, "Methods" (``benchmarks.training``).
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import shutil
@@ -30,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import REPO_ROOT, fmt, report, target, threads
+from .common import REPO_ROOT, cli, fmt, report, target, threads
 
 NAME = "training"
 BASE_REF = "92ee694"
@@ -161,9 +146,4 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF) -> dict:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny preset, for smoke tests")
-    p.add_argument("--out-dir", default=None, help="where <name>.json goes (default benchmarks/results)")
-    p.add_argument("--base-ref", default=BASE_REF, help="the commit to compare with (default %(default)s)")
-    a = p.parse_args()
-    main(a.quick, a.out_dir, a.base_ref)
+    cli(main, __doc__, base_ref=dict(default=BASE_REF, help="the commit to compare with (default %(default)s)"))

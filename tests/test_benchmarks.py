@@ -149,7 +149,7 @@ def test_bounds_and_summary(quick):
 
 
 def test_no_allocator_tuning():
-    """The timings use glibc's default allocator, as users get it (issue 22)."""
+    """The timings use glibc's default allocator, as users get it."""
     for path in (ROOT / "benchmarks").glob("*.py"):
         text = path.read_text()
         assert "mallopt(" not in text and '"MALLOC_' not in text, path.name
@@ -173,3 +173,18 @@ def test_flop_formula_and_slope():
     assert loglog_slope([(1, 3.0), (2, 6.0), (4, 12.0)]) == pytest.approx(1.0)
     assert loglog_slope([(1, 1.0), (2, 4.0)]) == pytest.approx(2.0)
     assert loglog_slope([(1, 0.0), (2, 4.0)]) is None
+
+
+def test_busy_neighbour_quick_command(tmp_path):
+    """``python -m benchmarks.busy_neighbour --quick`` (not part of ``benchmarks.run``): tiny runs,
+    alone and beside a busy loop, in each thread setting; its JSON has every setting's ratio."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.busy_neighbour", "--quick", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "busy_neighbour.json").read_text())
+    assert r["name"] == "busy_neighbour" and r["quick"] is True
+    assert len(r["ratio"]) == 3 and all(v > 0 for v in r["ratio"].values())
+    assert all(len(runs) == 1 for m in r["runs"].values() for runs in m.values())
+    assert len(r["targets"]) == 2 and len(r["table"]["rows"]) == 3

@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu  # noqa: E402
-from benchmarks.gpu_common import NEEDS_CUDA, bf16_peak_tflops  # noqa: E402
+from benchmarks.common import NEEDS_CUDA, bf16_peak_tflops  # noqa: E402
 from benchmarks.gpu_speed import crossover  # noqa: E402
 
 PARTS = ("compare", "correctness", "op_speed", "training", "generation")
