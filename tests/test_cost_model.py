@@ -52,9 +52,9 @@ def test_hand_checked_cells():
         assert r["host_ms"] == pytest.approx(r["host_calls"] * 9e-3)
         assert r["ms"] == max(r["device_ms"], r["host_ms"])
     # B*H = 384, N = 1024: the forward keeps only the intra-chunk products (A: 100 MB; the features,
-    # 837 MB, and the states do not fit 512 MiB), so 160 + 344 calls per block of 256 tokens
+    # 837 MB, and the states do not fit 512 MiB), so 156 + 344 calls per block of 256 tokens
     torch_row = _row(rows, "torch path (fp32)", 1024)
-    assert torch_row["host_calls"] == 160 + 344 * 4 and torch_row["bound"] == "host"
+    assert torch_row["host_calls"] == 156 + 344 * 4 and torch_row["bound"] == "host"
 
 
 def test_the_fla_feature_pass_is_priced_by_its_work():
@@ -77,11 +77,14 @@ def _fit(counts):
 
 @pytest.mark.parametrize("kept", sorted(cm.TORCH_CALLS), ids=lambda k: "+".join(k) or "nothing")
 def test_torch_path_calls_are_what_launches_counts(kept, unpoisoned):
+    for N in (1024, 2048):  # warm: what a first call at a length builds and keeps (RoPE tables)
+        launches.torch_path_calls(N, kept)
     counts = {N: launches.torch_path_calls(N, kept)["fwd_bwd_dispatcher_calls"] for N in (1024, 2048)}
     assert _fit(counts) == cm.TORCH_CALLS[kept]
 
 
 def test_other_paths_calls_are_what_launches_counts(unpoisoned):
+    launches.fla_path_calls(), launches.triton_path_calls(N=256)  # warm, as above
     assert launches.fla_path_calls()["fwd_bwd_dispatcher_calls"] == cm.FLA_CALLS
     assert launches.triton_path_calls(N=256)["fwd_bwd_dispatcher_calls"] == cm.TRITON_CALLS
     q, k, v = (torch.randn(1, 12, 256, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
