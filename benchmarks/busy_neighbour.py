@@ -122,13 +122,8 @@ def main(quick: bool = False, out_dir=None) -> dict:
     best_alone = min(med[m]["alone"]["train_s"] for m in modes)
     vs_best = med["default"]["busy"]["train_s"] / best_alone  # stricter: against the fastest alone
     result = {
-        "name": NAME,
-        "quick": quick,
-        "config": {**cfg, "cores": cores, "neighbour": "python -c 'while True: pass'"},
-        "train_s": med,
-        "ratio": ratio,
-        "ratio_process": ratio_process,
-        "default_busy_over_best_alone": vs_best,
+        "name": NAME, "quick": quick, "config": {**cfg, "cores": cores, "neighbour": "python -c 'while True: pass'"},
+        "train_s": med, "ratio": ratio, "ratio_process": ratio_process, "default_busy_over_best_alone": vs_best,
         "threads_chosen": threads,
         "runs": {m: {c: [{k: x[k] for k in ("train_s", "process_s", "threads", "others_cores")} for x in v[c]]
                      for c in v} for m, v in runs.items()},

@@ -154,11 +154,8 @@ def main(quick: bool = False, out_dir=None, base_ref: str = BASE_REF, presets: s
                          p["step_s_median_of_all_steps"][side], p["cpu_s_per_step"][side], p["tokens_per_s"][side],
                          p["warmup_s"][side]])
     result = {
-        "name": NAME,
-        "quick": quick,
-        "config": {**cfg, "presets": list(cfg["presets"]), "base_ref": base_ref},
-        "load_average_before_after": load,
-        "presets": per,
+        "name": NAME, "quick": quick, "config": {**cfg, "presets": list(cfg["presets"]), "base_ref": base_ref},
+        "load_average_before_after": load, "presets": per,
         "table": {"headers": ["preset", "tree", "compiled", "step s (best child's median)",
                               "step s (median of all steps)", "CPU s per step (median)", "tokens/s",
                               "warm-up s (compile here)"], "rows": rows},
