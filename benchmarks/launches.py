@@ -4,14 +4,9 @@
     python -m benchmarks.launches --quick          # tiny sizes, seconds (the smoke test)
     python -m benchmarks.launches --backend torch --n 1024 4096 --out benchmarks/results/launches_baseline.json
 
-``--backend`` sets ``LINEAR_ROPE_BACKEND`` for the run (any value the library takes; it is
-recorded in the JSON). No GPU is needed: every number is a count, and a count does not depend on
-the device that runs the ops (only on shapes, the path and the plan of what the forward keeps).
-
-The baseline in ``benchmarks/results/launches_baseline.json`` (the library as of commit 775219b)
-came from ``python -m benchmarks.launches --backend torch --n 1024 4096 --out
-benchmarks/results/launches_baseline.json``: 2 to 4 minutes on one CPU thread, most of it the compiled
-decode step and the N = 4096 model steps.
+The third made the baseline (the library as of commit 775219b; 2 to 4 minutes on one CPU thread).
+``--backend`` sets ``LINEAR_ROPE_BACKEND`` for the run (recorded in the JSON). No GPU is needed:
+a count depends on shapes, the path and the plan of what the forward keeps, not on the device.
 
 Counting rules (``Counter``):
 
@@ -59,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -565,16 +561,8 @@ def main(argv=None) -> dict:
     ns = a.n or ([64] if a.quick else [1024, 4096])
     if any(n < 1 for n in ns):
         p.exit(2, f"launches: error: --n must be positive, got {ns}\n")
-    before = os.environ.get("LINEAR_ROPE_BACKEND")
-    if a.backend is not None:
-        os.environ["LINEAR_ROPE_BACKEND"] = a.backend
-    try:
-        return _main(a, ns, argv)
-    finally:  # the process's own setting again (a caller's, e.g. a test's)
-        if before is None:
-            os.environ.pop("LINEAR_ROPE_BACKEND", None)
-        else:
-            os.environ["LINEAR_ROPE_BACKEND"] = before
+    with mock.patch.dict(os.environ, {} if a.backend is None else {"LINEAR_ROPE_BACKEND": a.backend}):
+        return _main(a, ns, argv)  # then the caller's environment again (a test's, say)
 
 
 def _main(a, ns, argv) -> dict:
