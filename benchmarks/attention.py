@@ -191,14 +191,10 @@ def main(quick: bool = False, out_dir=None) -> dict:
         cells += [eff[(i, n)] for i in OURS] + [ratio(i, n) for i in OURS]
         rows.append(cells)
     result = {
-        "name": NAME,
-        "quick": quick,
+        "name": NAME, "quick": quick,
         "config": {"B": B, "H": H, "d": D, "m": M, "chunk": chunk_size(), "ns": list(cfg["ns"]), "ours": ours_path(),
                    "max_rounds": cfg["max_rounds"], "rounds": rounds},
-        "ms": ms,
-        "times_s": raw,
-        "skipped": skipped,
-        "gemm_gflop_per_s_same_rounds": gemm_rate,
+        "ms": ms, "times_s": raw, "skipped": skipped, "gemm_gflop_per_s_same_rounds": gemm_rate,
         "gemm_peak_gflop_per_s_at_start": machine_peak(quick),
         "yardstick_gflop": {n: ours_flops(n) / 1e9 for n in cfg["ns"]},
         "efficiency": {f"{i}/{n}": e for (i, n), e in eff.items()},

@@ -201,16 +201,12 @@ def main(quick: bool = False, out_dir=None) -> dict:
             + (f", so ours / base tokens/s could reach {fmt(base[p] / st['step_s_if_attention_free'])}x with the rest "
                f"as it is (base step {fmt(base[p])} s in training.json)." if p in base else "."))
     result = {
-        "name": NAME,
-        "quick": quick,
-        "config": {"n": n, "d": D, "m": M, "presets": list(cfg["presets"])},
+        "name": NAME, "quick": quick, "config": {"n": n, "d": D, "m": M, "presets": list(cfg["presets"])},
         "ours": op, "ours_features_in": ops["features_in"], "sdpa": sd, "gemm_gflop_per_s": peak,
-        "ours_counted_gflop": counted, "sdpa_gflop": sd_flops,
-        "training_steps": steps, "base_step_s": base,
+        "ours_counted_gflop": counted, "sdpa_gflop": sd_flops, "training_steps": steps, "base_step_s": base,
         "table": {"headers": ["profile", "wall ms", "GEMM ms", "exp ms", "other ms", "GEMM GFLOP executed",
                               "GEMM GFLOP/s"], "rows": rows},
-        "targets": [],
-        "notes": notes,
+        "targets": [], "notes": notes,
     }
     return report(result, out_dir)
 

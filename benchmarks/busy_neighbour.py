@@ -55,16 +55,14 @@ def _cpu_busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool,
-             env_extra: dict | None = None) -> dict:
+def run_once(cfg: dict, tmp: Path, tag: str, threads: int | None, busy: bool, env_extra: dict | None = None) -> dict:
     """One training process, beside a busy loop or not: its times and the threads it chose."""
     out = tmp / "runs" / tag
     cmd = [sys.executable, "-m", "linear_rope.train", "--preset", cfg["preset"], "--variants", "rope",
            "--steps", str(cfg["steps"]), "--eval-every", "0", "--log-every", "1",
            "--data", str(tmp / "corpus.txt"), "--data-dir", str(tmp / "data"), "--out", str(out)]
     cmd += ["--threads", str(threads)] if threads else []
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
     env.update(env_extra or {})
     busy0, kids0 = _cpu_busy_s(), os.times()
     neighbour = subprocess.Popen(BUSY) if busy else None
@@ -105,8 +103,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
             for i in range(len(order)):  # rotate the order each round
                 mode, busy = order[(i + r) % len(order)]
                 threads, env_extra = modes[mode]
-                res = run_once(cfg, tmp, f"r{r}-{list(modes).index(mode)}-{int(busy)}", threads, busy,
-                               env_extra)
+                res = run_once(cfg, tmp, f"r{r}-{list(modes).index(mode)}-{int(busy)}", threads, busy, env_extra)
                 runs[mode]["busy" if busy else "alone"].append(res)
                 print(f"round {r} {mode:<38} {'busy' if busy else 'alone'}: train {res['train_s']:.1f} s, "
                       f"process {res['process_s']:.1f} s, threads {res['threads']}, other users "
@@ -122,13 +119,8 @@ def main(quick: bool = False, out_dir=None) -> dict:
     best_alone = min(med[m]["alone"]["train_s"] for m in modes)
     vs_best = med["default"]["busy"]["train_s"] / best_alone  # stricter: against the fastest alone
     result = {
-        "name": NAME,
-        "quick": quick,
-        "config": {**cfg, "cores": cores, "neighbour": "python -c 'while True: pass'"},
-        "train_s": med,
-        "ratio": ratio,
-        "ratio_process": ratio_process,
-        "default_busy_over_best_alone": vs_best,
+        "name": NAME, "quick": quick, "config": {**cfg, "cores": cores, "neighbour": "python -c 'while True: pass'"},
+        "train_s": med, "ratio": ratio, "ratio_process": ratio_process, "default_busy_over_best_alone": vs_best,
         "threads_chosen": threads,
         "runs": {m: {c: [{k: x[k] for k in ("train_s", "process_s", "threads", "others_cores")} for x in v[c]]
                      for c in v} for m, v in runs.items()},

@@ -56,14 +56,8 @@ RESULTS_DIR = BENCH_DIR / "results"
 
 
 def setup(quick: bool = False, seed: int = 0) -> None:
-    """Threads and seed. Quick mode (smoke tests) runs on 1 thread: on a busy 2-core machine,
-    2 OpenMP threads spin at every barrier waiting for a descheduled peer, which makes tiny ops
-    up to 50x slower, and the tests would crawl.
-
-    The allocator is glibc's default, as users get it: no ``mallopt`` and no ``MALLOC_*``
-    variables. (Earlier timings kept freed memory in the heap with ``mallopt``, which
-    hid the page faults of fresh memory: 20-30% of the op's time at N = 4096.)
-    """
+    """Threads and seed; quick mode (smoke tests) runs on 1 thread (on a busy machine, OpenMP
+    threads spin at every barrier). The allocator is glibc's default, as users get it."""
     torch.set_num_threads(1 if quick else threads())
     torch.manual_seed(seed)
 
@@ -71,11 +65,8 @@ def setup(quick: bool = False, seed: int = 0) -> None:
 # --- ours ------------------------------------------------------------------------------------
 
 def ours_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: FavorFeatures, rotary: bool) -> torch.Tensor:
-    """The single definition of "ours": causal Eq. 19 (``rotary``) or Eq. 18 over FAVOR+.
-
-    q, k, v: `[B, H, N, d]` head-dim queries, keys, values -> `[B, H, N, d]`, through the fused
-    public ``linear_rope.rotary_linear_attention`` with FAVOR+ inside (``projection``), which ``RotaryLinearAttention`` uses.
-    """
+    """The single definition of "ours": causal Eq. 19 (``rotary``) or Eq. 18, `[B, H, N, d]` in and out,
+    through ``rotary_linear_attention`` with FAVOR+ inside, as ``RotaryLinearAttention`` runs it."""
     return rotary_linear_attention(q, k, v, projection=features.projection, rotary=rotary)
 
 
@@ -112,14 +103,8 @@ def time_call(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(
-    fns: dict[str, Callable[[], object]],
-    *,
-    warmup: int = 1,
-    rounds: int | dict[str, int] = 5,
-    min_rounds: int = 1,
-    budget_s: float | None = None,
-) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, rounds: int | dict[str, int] = 5,
+                min_rounds: int = 1, budget_s: float | None = None) -> dict[str, list[float]]:
     """Seconds per call of each fn, run round-robin: every round calls each fn once, starting
     one place later each round, so slow drifts of the shared machine hit all of them alike.
 
@@ -204,12 +189,8 @@ def machine_peak(quick: bool = False) -> float:
 # --- memory ----------------------------------------------------------------------------------
 
 def peak_rss_mib() -> float:
-    """High-water resident set of this process, MiB: ``VmHWM`` of /proc/self/status on Linux.
-
-    Not ``ru_maxrss`` there: that is max(VmHWM, the signal's maxrss), and the latter inherits
-    the *parent's* peak across fork + exec (and keeps exited threads' peaks), so a child of a
-    big benchmark process would read the parent's peak. ``ru_maxrss`` elsewhere.
-    """
+    """High-water resident set of this process, MiB: ``VmHWM`` of /proc/self/status on Linux (not
+    ``ru_maxrss``: a child inherits its parent's peak there across fork + exec); ``ru_maxrss`` elsewhere."""
     with contextlib.suppress(OSError, StopIteration, ValueError):
         with open("/proc/self/status") as f:
             return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024  # kB
@@ -217,11 +198,8 @@ def peak_rss_mib() -> float:
 
 
 def reset_peak_rss() -> bool:
-    """Lower this process's high-water RSS (``VmHWM``) to its current RSS.
-
-    Linux >= 4.0 (``/proc/self/clear_refs``). Without it, the baseline already holds the
-    import-time peak, which hides any smaller peak of the op after it.
-    """
+    """Lower this process's high-water RSS (``VmHWM``) to its current RSS (Linux >= 4.0), so that
+    the import-time peak does not hide a smaller peak of the op after it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -231,18 +209,13 @@ def reset_peak_rss() -> bool:
 
 
 def run_child(module: str, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 900) -> dict:
-    """Run ``python -m <module> --one <args>`` in a fresh process (with ``env`` added to the
-    environment); its last stdout line is JSON.
-
-    Returns that dict, or ``{"error": ...}`` when the child fails (e.g. killed for memory).
-    """
+    """Run ``python -m <module> --one <args>`` in a fresh process (``env`` added): its last stdout
+    line's JSON, or ``{"error": ...}`` when the child fails (e.g. killed for memory)."""
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", module, "--one", *args],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
-        )
+        proc = subprocess.run([sys.executable, "-m", module, "--one", *args], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = proc.stdout.strip().splitlines()
@@ -258,9 +231,7 @@ def fmt(x, digits: int = 3) -> str:
     """A number to `digits` significant figures (no exponent for ordinary sizes)."""
     if x is None:
         return "-"
-    if isinstance(x, (str, int)):
-        return str(x)
-    if x == 0 or not math.isfinite(x):
+    if isinstance(x, (str, int)) or x == 0 or not math.isfinite(x):
         return str(x)
     mag = math.floor(math.log10(abs(x)))
     return f"{x:.{max(0, digits - 1 - mag)}f}"
@@ -320,15 +291,8 @@ def machine_info() -> dict:
         with open("/proc/meminfo") as f:
             kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal"))
             mem_gib = round(kib / 2**20, 1)
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": mem_gib,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(), "platform": platform.platform()}
 
 
 def cli(main: Callable[..., dict], doc: str, **options: dict) -> None:
@@ -357,11 +321,7 @@ SAMPLE_PATHS = (REPO_ROOT.parent / "shared/data" / SAMPLE_NAME, REPO_ROOT / "sha
 # entry whose every word is in the device name wins, so the PCIe and NVL parts come before
 # the plain "H100" (the SXM part, "NVIDIA H100 80GB HBM3").
 BF16_PEAK_TFLOPS = (
-    (("H100", "PCIe"), 756.0),
-    (("H100", "NVL"), 835.0),
-    (("H100",), 989.0),
-    (("H200",), 989.0),
-    (("A100",), 312.0),
+    (("H100", "PCIe"), 756.0), (("H100", "NVL"), 835.0), (("H100",), 989.0), (("H200",), 989.0), (("A100",), 312.0),
 )
 
 

@@ -136,10 +136,8 @@ def main(quick: bool = False, out_dir=None) -> dict:
     targets.append(target(f"user: recompiles over N = {', '.join(map(str, cfg['ns']))}", rec["recompiles"], "<=",
                           RECOMPILE_TARGET))
     result = {
-        "name": NAME,
-        "quick": quick,
-        "config": {**{k: v for k, v in cfg.items() if k != "ns"}, "ns": list(cfg["ns"])},
-        "checks": checks,
+        "name": NAME, "quick": quick,
+        "config": {**{k: v for k, v in cfg.items() if k != "ns"}, "ns": list(cfg["ns"])}, "checks": checks,
         "recompiles": rec,
         "table": {"headers": ["model", "graphs", "breaks", "fullgraph=True", "compiled vs eager (max rel)",
                               "compile + first step s"], "rows": rows},

@@ -121,8 +121,7 @@ def table():
             device_ms = G * sum(p["ms"] for p in ph)
             calls = CALLS[name](G, N)
             host_ms = calls * US_PER_CALL / 1e3
-            rows.append({"B": B, "H": H, "N": N, "path": name,
-                         "gflop": G * sum(p["flops"] for p in ph) / 1e9,
+            rows.append({"B": B, "H": H, "N": N, "path": name, "gflop": G * sum(p["flops"] for p in ph) / 1e9,
                          "gbyte": G * sum(p["bytes"] for p in ph) / 1e9,
                          "device_ms": device_ms, "host_calls": calls, "host_ms": host_ms,
                          "ms": max(device_ms, host_ms), "bound": "host" if host_ms > device_ms else "device",

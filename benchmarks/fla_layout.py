@@ -58,10 +58,8 @@ def make_calls(n: int, w: torch.Tensor) -> dict:
     fav_op, fav_fla = inputs(D, True, False), inputs(D, False, False)
     fea_op, fea_fla = inputs(M, True, True), inputs(M, False, True)
     return {
-        "op/favor": call(op, fav_op, w),
-        "fla/favor": call(fla, fav_fla, w),
-        "fla/favor+contiguous": call(fla, fav_fla, w, contiguous=True),
-        "op/features": call(op, fea_op, None),
+        "op/favor": call(op, fav_op, w), "fla/favor": call(fla, fav_fla, w),
+        "fla/favor+contiguous": call(fla, fav_fla, w, contiguous=True), "op/features": call(op, fea_op, None),
         "fla/features": call(fla, fea_fla, None),
     }
 
@@ -81,17 +79,11 @@ def main(quick: bool = False, out_dir=None) -> dict:
     rows = [[k, ms[k], BASELINE.get(k, "-"), ratio.get(k, "-")] for k in calls]
     rounds = len(times["op/favor"])
     result = {
-        "name": NAME,
-        "quick": quick,
+        "name": NAME, "quick": quick,
         "config": {"n": cfg["n"], "B": B, "H": H, "d": D, "m": M, "e": D, "rounds": rounds, "dtype": "float32",
                    "threads": torch.get_num_threads()},
-        "machine": machine_info(),
-        "load": {"before": load_before, "after": "load average: " + load_average()},
-        "ms": ms,
-        "times_s": times,
-        "ratio": ratio,
-        "profile": prof,
-        "extra_copy_share": copies,
+        "machine": machine_info(), "load": {"before": load_before, "after": "load average: " + load_average()},
+        "ms": ms, "times_s": times, "ratio": ratio, "profile": prof, "extra_copy_share": copies,
         "table": {"headers": ["call (fwd+bwd)", "ms", "against", "ratio"], "rows": rows},
         "targets": [target(f"{k} / {BASELINE[k]} fwd+bwd time, N={cfg['n']}", ratio[k], "<=", TARGET)
                     for k in BASELINE]

@@ -20,13 +20,11 @@ from .common import cli, format_table, interleaved, load_average, median, quiet,
 
 NAME = "generation"
 FULL = dict(
-    model=dict(dim=768, depth=2, heads=12, dim_head=64, nb_features=266),
-    contexts=(512, 1024, 2048, 8192), tokens=20,
+    model=dict(dim=768, depth=2, heads=12, dim_head=64, nb_features=266), contexts=(512, 1024, 2048, 8192), tokens=20,
     performer_contexts=(512, 1024), performer_tokens=3, ref_context=1024,
 )
 QUICK = dict(
-    model=dict(dim=32, depth=1, heads=2, dim_head=16, nb_features=16),
-    contexts=(16, 32, 64), tokens=3,
+    model=dict(dim=32, depth=1, heads=2, dim_head=16, nb_features=16), contexts=(16, 32, 64), tokens=3,
     performer_contexts=(32,), performer_tokens=2, ref_context=32,
 )
 TARGET_FLAT = 1.2
@@ -144,14 +142,11 @@ def decode_section(quick: bool) -> dict:
                  for k, v in counts.items()}
     lo, hi = min(cfg["contexts"]), max(cfg["contexts"])
     return {
-        "config": {**cfg, "threads": torch.get_num_threads(), "ragged": "row 0 a quarter shorter"},
-        "ms_per_step": ms,
-        "times_s": times,
-        "prefill_s": prefill_s,
+        "config": {**cfg, "threads": torch.get_num_threads(), "ragged": "row 0 a quarter shorter"}, "ms_per_step": ms,
+        "times_s": times, "prefill_s": prefill_s,
         "counts_per_step": {k: {x: v[x] for x in ("launches", "syncs", "host", "by_op", "syncs_by_op", "host_by_call")}
                             for k, v in counts.items()},
-        "counts_per_layer": per_layer,
-        "load": load,
+        "counts_per_layer": per_layer, "load": load,
         "ratio_decoder_longest_over_shortest": ms[f"decoder@{hi}"] / ms[f"decoder@{lo}"],
         "speedup_decoder_over_step": {c: ms[f"step@{c}"] / ms[f"decoder@{c}"] for c in cfg["contexts"]},
     }
@@ -222,14 +217,10 @@ def main(quick: bool = False, out_dir=None) -> dict:
     dsyncs = sum(dsec["counts_per_step"][k]["syncs"] + dsec["counts_per_step"][k]["host"]
                  for k in dsec["counts_per_step"] if k.startswith("decoder"))
     result = {
-        "name": NAME,
-        "quick": quick,
+        "name": NAME, "quick": quick,
         "config": {**cfg["model"], "contexts": list(cfg["contexts"]), "tokens": cfg["tokens"],
                    "performer_contexts": list(cfg["performer_contexts"]), "performer_tokens": cfg["performer_tokens"]},
-        "ms_per_token": ms,
-        "times_s": times,
-        "prefill_s": prefill_s,
-        "ratio_ours_longest_over_shortest": flat,
+        "ms_per_token": ms, "times_s": times, "prefill_s": prefill_s, "ratio_ours_longest_over_shortest": flat,
         "ratio_performer_over_ours": vs,
         "table": {"headers": ["context", "ours ms/token", "performer ms/token", "performer/ours", "ours prefill s"], "rows": rows},
         "decoder": dsec,

@@ -42,8 +42,7 @@ from .common import BENCH_DIR, NEEDS_CUDA, Ctx, PartTimeout, deadline, device_in
 PARTS = {
     "compare": ("0. Training: softmax against linear attention", gpu_train.run_compare, 0.3),
     "correctness": ("1. Correctness on the device", lambda ctx, res: res.update(gpu_checks.run(ctx)), 0.15),
-    "op_speed": ("2. Op speed", gpu_speed.run, 0.35),
-    "generation": ("4. Generation", gpu_train.run_generation, 0.06),
+    "op_speed": ("2. Op speed", gpu_speed.run, 0.35), "generation": ("4. Generation", gpu_train.run_generation, 0.06),
     "training": ("3. Training", gpu_train.run_training, 0.44),
 }
 ORDER = ("compare", "correctness", "op_speed", "training", "generation")

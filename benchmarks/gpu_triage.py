@@ -25,8 +25,7 @@ CASES = {  # name -> (dtype, m, N, config overrides for every kernel group)
     "bf16_tc": ("bfloat16", 266, 200, {"tc": True}),  # bf16 tensor cores: bf16x3 / bf16w3
     "bf16_tc_stages1": ("bfloat16", 266, 200, {"tc": True, "num_stages": 1}),
     "bf16_tc_warps8": ("bfloat16", 266, 200, {"tc": True, "num_warps": 8}),
-    "bf16_tc_m32_n64": ("bfloat16", 32, 64, {"tc": True}),
-    "fp32_stages1": ("float32", 266, 200, {"num_stages": 1}),
+    "bf16_tc_m32_n64": ("bfloat16", 32, 64, {"tc": True}), "fp32_stages1": ("float32", 266, 200, {"num_stages": 1}),
     "fp32_warps8": ("float32", 266, 200, {"num_warps": 8}),
     "fp32_ieee": ("float32", 266, 200, {"PREC": "ieee", "SPREC": "ieee", "XPREC": "ieee"}),
     "fp32_tf32": ("float32", 266, 200, {"PREC": "tf32", "SPREC": "tf32", "XPREC": "tf32"}),

@@ -52,10 +52,7 @@ def make_calls(cfg, w):
         return run
 
     return {
-        "plain/2x6": call(a),
-        "mask": call(a, mask=mask),
-        "plain/1x12": call(b),
-        "cu_seqlens": call(b, cu_seqlens=cu),
+        "plain/2x6": call(a), "mask": call(a, mask=mask), "plain/1x12": call(b), "cu_seqlens": call(b, cu_seqlens=cu),
         "initial_state": call(b, initial_state=LinearAttentionState(S0, z0), output_final_state=True),
         "offsets": call(a, offset=torch.tensor([0, 1000])),
     }
@@ -74,13 +71,10 @@ def main(quick: bool = False, out_dir=None) -> dict:
     ratio = {k: ms[k] / ms[b] for k, b in BASELINE.items()}
     rows = [[k, ms[k], BASELINE.get(k, "-"), ratio.get(k, "-")] for k in calls]
     result = {
-        "name": NAME,
-        "quick": quick,
+        "name": NAME, "quick": quick,
         "config": {"n": cfg["n"], "d": D, "m": M, "docs": list(cfg["docs"]), "rounds": len(times["mask"]),
                    "mask": "B=2, H=6; row 1 has its first n/4 tokens masked (25% left padding on half the rows)"},
-        "ms": ms,
-        "times_s": times,
-        "ratio": ratio,
+        "ms": ms, "times_s": times, "ratio": ratio,
         "table": {"headers": ["call (fwd+bwd)", "ms", "against", "ratio"], "rows": rows},
         "targets": [target(f"{k} / plain fwd+bwd time, N={cfg['n']}", ratio[k], "<=", TARGET) for k in BASELINE],
         "notes": [f"medians of {len(times['mask'])} interleaved rounds; Eq. 19 over FAVOR+ (projection inside), "

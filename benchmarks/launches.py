@@ -4,14 +4,9 @@
     python -m benchmarks.launches --quick          # tiny sizes, seconds (the smoke test)
     python -m benchmarks.launches --backend torch --n 1024 4096 --out benchmarks/results/launches_baseline.json
 
-``--backend`` sets ``LINEAR_ROPE_BACKEND`` for the run (any value the library takes; it is
-recorded in the JSON). No GPU is needed: every number is a count, and a count does not depend on
-the device that runs the ops (only on shapes, the path and the plan of what the forward keeps).
-
-The baseline in ``benchmarks/results/launches_baseline.json`` (the library as of commit 775219b)
-came from ``python -m benchmarks.launches --backend torch --n 1024 4096 --out
-benchmarks/results/launches_baseline.json``: 2 to 4 minutes on one CPU thread, most of it the compiled
-decode step and the N = 4096 model steps.
+The third made the baseline (the library as of commit 775219b; 2 to 4 minutes on one CPU thread).
+``--backend`` sets ``LINEAR_ROPE_BACKEND`` for the run (recorded in the JSON). No GPU is needed:
+a count depends on shapes, the path and the plan of what the forward keeps, not on the device.
 
 Counting rules (``Counter``):
 
@@ -59,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -213,10 +209,9 @@ def attention_layer(cfg, N: int, B: int = 1) -> dict:
     res.update(op_fwd=fwd.as_dict(), op_bwd=bwd.as_dict())
     for part in ("layer", "op"):
         f, b = res[f"{part}_fwd"], res[f"{part}_bwd"]
-        res[f"{part}_fwd_bwd"] = {k: f[k] + b[k] for k in ("launches", "syncs", "dispatcher_calls")}
-        res[f"{part}_fwd_bwd"]["host_ms_est"] = round(res[f"{part}_fwd_bwd"]["dispatcher_calls"] * US_PER_CALL / 1e3, 2)
         g = collections.Counter(f["gemm_gflop"]) + collections.Counter(b["gemm_gflop"])
-        res[f"{part}_fwd_bwd"]["gemm_gflop"] = {k: round(v, 4) for k, v in sorted(g.items())}
+        res[f"{part}_fwd_bwd"] = {**_with_host({k: f[k] + b[k] for k in METRICS}),
+                                  "gemm_gflop": {k: round(v, 4) for k, v in sorted(g.items())}}
     return res
 
 
@@ -238,11 +233,29 @@ class _FlaStandIn(torch.autograd.Function):
         return tuple(torch.empty_like(t) for t in ctx.shapes)
 
 
+def _op_counts(fn, H: int, N: int, d: int, m: int, mark=lambda: None) -> tuple[Counter, Counter, object]:
+    """``fn(q, k, v, projection=...)`` fwd, then bwd, counted (bf16, B = 1); ``mark()`` runs between them."""
+    from linear_rope.features import FavorFeatures
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fwd, y = count(fn, q, k, v, projection=FavorFeatures(d, m).projection)
+    between = mark()
+    bwd, _ = count(y.backward, torch.ones_like(y))
+    return fwd, bwd, between
+
+
+def _with_kernels(fwd: Counter, bwd: Counter, kf: int, kb: int, key: str | None) -> dict:
+    """torch launches and dispatcher calls of each pass, each kernel launch one more call."""
+    out = {p: {"torch_launches": c.launches, "dispatcher_calls": c.calls + k, **({key: k} if key else {})}
+           for p, c, k in (("fwd", fwd, kf), ("bwd", bwd, kb))}
+    return {**out, "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls + kf + kb}
+
+
 def fla_path_calls(H: int = 2, N: int = 64, d: int = 64, m: int = 266) -> dict:
     """The fla-backed path's fwd+bwd (``ops/fla_path.py``, bf16, FAVOR+ inside): its torch ops
     counted (fla's kernels stood in by ``_FlaStandIn``), plus fla's kernel launches
     (``FLA_KERNELS`` per ``chunk_linear_attn`` call). No block walk: the counts do not depend on N."""
-    from linear_rope.features import FavorFeatures
     from linear_rope.ops import fla_path
 
     calls = []
@@ -250,55 +263,35 @@ def fla_path_calls(H: int = 2, N: int = 64, d: int = 64, m: int = 266) -> dict:
     def kernel(q, k, v, *, initial_state=None, output_final_state=False, **_):
         calls.append(1)
         return _FlaStandIn.apply(q, k, v), None
-    old = fla_path._kernel
-    fla_path._kernel = lambda: kernel
+    old, fla_path._kernel = fla_path._kernel, lambda: kernel
     try:
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        w = FavorFeatures(d, m).projection
-        fwd, y = count(fla_path.fla_rotary_linear_attention, q, k, v, projection=w)
-        n = len(calls)
-        bwd, _ = count(y.backward, torch.ones_like(y))
+        fwd, bwd, n = _op_counts(fla_path.fla_rotary_linear_attention, H, N, d, m, mark=lambda: len(calls))
     finally:
         fla_path._kernel = old
-    kf, kb = n * FLA_KERNELS["fwd"], n * FLA_KERNELS["bwd"]
-    return {"fla_calls": n,
-            "fwd": {"torch_launches": fwd.launches, "dispatcher_calls": fwd.calls + kf, "fla_kernels": kf},
-            "bwd": {"torch_launches": bwd.launches, "dispatcher_calls": bwd.calls + kb, "fla_kernels": kb},
-            "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls + kf + kb}
+    return {"fla_calls": n, **_with_kernels(fwd, bwd, n * FLA_KERNELS["fwd"], n * FLA_KERNELS["bwd"], "fla_kernels")}
 
 
 def torch_path_calls(N: int, kept=None, H: int = 12, d: int = 64, m: int = 266) -> dict:
     """The torch path's fwd+bwd (the op alone, bf16, FAVOR+ inside, B = 1) with the forward keeping
     only the buffers named in ``kept`` for the backward (None: what ``chunk_fwd.keep_plan``
     keeps at this size), as it keeps at a larger B·H·N: the rest is recomputed per block."""
-    from linear_rope.features import FavorFeatures
+    from linear_rope import rotary_linear_attention
     from linear_rope.ops import chunk_fwd
 
     plan = chunk_fwd.keep_plan
     if kept is not None:
         chunk_fwd.keep_plan = lambda *a, **k: {n: b for n, b in plan(*a, **k).items() if n in kept}
     try:
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        fwd, y = count(rotary_linear_attention_op(), q, k, v, projection=FavorFeatures(d, m).projection)
-        bwd, _ = count(y.backward, torch.ones_like(y))
+        fwd, bwd, _ = _op_counts(rotary_linear_attention, H, N, d, m)
     finally:
         chunk_fwd.keep_plan = plan
     return {"fwd": _m(fwd), "bwd": _m(bwd), "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls}
-
-
-def rotary_linear_attention_op():
-    from linear_rope import rotary_linear_attention
-
-    return rotary_linear_attention
 
 
 def triton_path_calls(H: int = 12, N: int = 1024, d: int = 64, m: int = 266) -> dict:
     """Our Triton path's fwd+bwd (``ops/triton/chunk.py``, bf16, FAVOR+ inside): its torch ops
     counted, and each kernel launch counted as one call in place of running it (its outputs are
     left as allocated: only the counts mean anything). The grid covers N: no per-block launches."""
-    from linear_rope.features import FavorFeatures
     from linear_rope.ops.triton import chunk as tc
 
     kernels = []
@@ -306,19 +299,11 @@ def triton_path_calls(H: int = 12, N: int = 1024, d: int = 64, m: int = 266) -> 
     tc._launch = lambda name, *a, **k: kernels.append(name)
     tc.supports = lambda *a, **k: (True, "")
     try:
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        w = FavorFeatures(d, m).projection
-        fwd, y = count(tc.rotary_linear_attention, q, k, v, projection=w)
-        nf = len(kernels)
-        bwd, _ = count(y.backward, torch.ones_like(y))
+        fwd, bwd, nf = _op_counts(tc.rotary_linear_attention, H, N, d, m, mark=lambda: len(kernels))
     finally:
         tc._launch, tc.supports = old
     nb = len(kernels) - nf
-    return {"kernels": {"fwd": nf, "bwd": nb},
-            "fwd": {"torch_launches": fwd.launches, "dispatcher_calls": fwd.calls + nf},
-            "bwd": {"torch_launches": bwd.launches, "dispatcher_calls": bwd.calls + nb},
-            "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls + nf + nb}
+    return {"kernels": {"fwd": nf, "bwd": nb}, **_with_kernels(fwd, bwd, nf, nb, None)}
 
 
 def model_step(cfg, N: int, B: int = 1) -> dict:
@@ -331,10 +316,8 @@ def model_step(cfg, N: int, B: int = 1) -> dict:
     x, y = ids[:, :-1], ids[:, 1:]
     out = {}
     with _autocast():
-        c, logits = count(model, x)
-    out["forward"] = c
-    c, loss = count(lambda: torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
-    out["loss"] = c
+        out["forward"], logits = count(model, x)
+    out["loss"], loss = count(lambda: torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
     out["backward"], _ = count(loss.backward)
     out["clip"], _ = count(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0)
     return out
@@ -578,16 +561,8 @@ def main(argv=None) -> dict:
     ns = a.n or ([64] if a.quick else [1024, 4096])
     if any(n < 1 for n in ns):
         p.exit(2, f"launches: error: --n must be positive, got {ns}\n")
-    before = os.environ.get("LINEAR_ROPE_BACKEND")
-    if a.backend is not None:
-        os.environ["LINEAR_ROPE_BACKEND"] = a.backend
-    try:
-        return _main(a, ns, argv)
-    finally:  # the process's own setting again (a caller's, e.g. a test's)
-        if before is None:
-            os.environ.pop("LINEAR_ROPE_BACKEND", None)
-        else:
-            os.environ["LINEAR_ROPE_BACKEND"] = before
+    with mock.patch.dict(os.environ, {} if a.backend is None else {"LINEAR_ROPE_BACKEND": a.backend}):
+        return _main(a, ns, argv)  # then the caller's environment again (a test's, say)
 
 
 def _main(a, ns, argv) -> dict:

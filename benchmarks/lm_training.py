@@ -74,18 +74,11 @@ def main(quick: bool = False, out_dir=None) -> dict:
     speedup = tok_s["ours"] / tok_s["performer"]
     rows = [[k, params[k], step_s[k], tok_s[k], 100 * mfu[k]] for k in times]
     result = {
-        "name": NAME,
-        "quick": quick,
+        "name": NAME, "quick": quick,
         "config": {**cfg["model"], "seq": seq, "batch": batch, "lr": LR, "rounds": len(times["ours"])},
-        "step_s": step_s,
-        "times_s": times,
-        "tokens_per_s": tok_s,
-        "params": params,
-        "model_gflop_per_token": fpt / 1e9,
-        "gemm_gflop_per_s_same_rounds": peak,
-        "gemm_peak_gflop_per_s_at_start": machine_peak(quick),
-        "mfu": mfu,
-        "speedup_vs_performer": speedup,
+        "step_s": step_s, "times_s": times, "tokens_per_s": tok_s, "params": params,
+        "model_gflop_per_token": fpt / 1e9, "gemm_gflop_per_s_same_rounds": peak,
+        "gemm_peak_gflop_per_s_at_start": machine_peak(quick), "mfu": mfu, "speedup_vs_performer": speedup,
         "table": {"headers": ["model", "params", "step s", "tokens/s", "MFU %"], "rows": rows},
         "targets": [
             target("ours / performer training tokens/s", speedup, ">=", TARGET_SPEEDUP),

@@ -100,13 +100,9 @@ def main(quick: bool = False, out_dir=None, one: bool = False, impl=None, n=None
     ours = [(n, mib.get(f"ours_inside/fwd+bwd/{n}")) for n in cfg["ns"] if n >= cfg["slope_min_n"]]
     slope = loglog_slope([(n, y) for n, y in ours if y is not None])
     result = {
-        "name": NAME,
-        "quick": quick,
+        "name": NAME, "quick": quick,
         "config": {"ns": list(cfg["ns"]), "modes": list(modes), "impls": list(IMPLS), "slope_min_n": cfg["slope_min_n"]},
-        "mib_above_baseline": mib,
-        "children": children,
-        "skipped": skipped,
-        "ours_inside_growth_slope": slope,
+        "mib_above_baseline": mib, "children": children, "skipped": skipped, "ours_inside_growth_slope": slope,
         "table": {"headers": ["N", "mode", *[f"{i} MiB" for i in IMPLS]], "rows": rows},
         "targets": [
             target(f"ours_inside fwd+bwd MiB above baseline, N={big}", mib.get(f"ours_inside/fwd+bwd/{big}"), "<=", TARGET_MIB),

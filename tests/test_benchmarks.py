@@ -188,3 +188,17 @@ def test_busy_neighbour_quick_command(tmp_path):
     assert len(r["ratio"]) == 3 and all(v > 0 for v in r["ratio"].values())
     assert all(len(runs) == 1 for m in r["runs"].values() for runs in m.values())
     assert len(r["targets"]) == 2 and len(r["table"]["rows"]) == 3
+
+
+def test_training_op_regression_check(tmp_path):
+    """``--op`` adds the op as one more interleaved measurement, with its own <= 1.05 target."""
+    from benchmarks import training
+    r = training.main(quick=True, out_dir=tmp_path, presets="tiny", op=True)
+    if "presets" not in r:
+        pytest.skip(r["notes"][0])
+    assert list(r["presets"]) == ["tiny", "op:512"] and len(r["load_average_before_after"]) == 2
+    p = r["presets"]["op:512"]
+    assert p["time_ours_over_base"] > 0 and all(len(runs) == 1 for runs in p["runs"].values())
+    assert [t["op"] for t in r["targets"]] == [">=", "<="] and r["targets"][1]["value"] == p["time_ours_over_base"]
+    with pytest.raises(SystemExit):
+        training.main(quick=True, out_dir=tmp_path, presets="tiny,nope")
