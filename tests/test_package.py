@@ -157,8 +157,8 @@ def test_missing_extras_name_the_install_a_wheel_user_can_run():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert 'linear_rope.hf needs transformers: pip install "linear_rope[hf]"' in res.stdout, res.stderr[-2000:]
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from linear_rope.results import plots\n"
-            "try:\n    plots._plt()\nexcept plots.ResultsError as e:\n    print(e)\n")
+            "from linear_rope.results import runs\n"
+            "try:\n    runs._plt()\nexcept runs.ResultsError as e:\n    print(e)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert 'pip install "linear_rope[plot]"' in res.stdout, res.stderr[-2000:]
     editable = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in (ROOT / "linear_rope").rglob("*.py")
