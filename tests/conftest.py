@@ -96,3 +96,31 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "small.txt"
     path.write_bytes(wiki_text(1 << 16))
     return path
+
+
+# CI runs the README's test command with the README's set-up (no extras), then installs the
+# extras and runs again exactly the tests that skipped for a missing module: with
+# LINEAR_ROPE_EXTRA_SKIPS=FILE, each such test's (or test file's) node id is appended to FILE.
+_EXTRA_SKIPS = os.environ.get("LINEAR_ROPE_EXTRA_SKIPS")
+
+
+def _missing_module(report) -> bool:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return any(s in reason for s in ("could not import", "No module named", "not installed"))
+
+
+def _record_extra_skip(report) -> None:
+    if _EXTRA_SKIPS and report.skipped and _missing_module(report):
+        with open(_EXTRA_SKIPS, "a") as f:
+            f.write(report.nodeid.split("::")[0] if report.when == "collect" else report.nodeid)
+            f.write("\n")
+
+
+def pytest_collectreport(report):  # a test file that skips whole (a module-level importorskip)
+    _record_extra_skip(report)
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _record_extra_skip(report)

@@ -32,10 +32,16 @@ def test_ci_runs_the_readme_set_up_and_test_command():
                       '&& pip install -e ".[dev]"')
     assert 'python -m pip install --quiet torch==2.13.0' in ci
     assert 'python -m pip install --quiet -e ".[dev]"' in ci
-    # exactly the README's test command, followed only by the mutant check (tests/mutants.py)
+    # exactly the README's test command, with the README's set-up only: no extra installed before it
     assert "python -m pytest -q" in ci
-    after = [line for line in ci[ci.index("python -m pytest -q") + 1:] if not line.startswith("#")]
-    assert after == ["python tests/mutants.py"], after
+    before = ci[:ci.index("python -m pytest -q")]
+    installs = [line for line in before if "pip install" in line and not line.lstrip().startswith("#")]
+    assert all("--upgrade pip" in line or "torch==2.13.0" in line or '".[dev]"' in line or line.endswith("--no-deps -e .")
+               for line in installs), installs
+    # then the extras, the tests that skipped without them, and the mutants (tests/mutants.py)
+    after = ci[ci.index("python -m pytest -q") + 1:]
+    assert any('-e ".[hf]"' in line for line in after) and any('-e ".[triton]"' in line for line in after)
+    assert "python tests/mutants.py" in after
     assert "\n```bash\npython -m pytest -q\n```\n" in readme
 
 
@@ -135,3 +141,14 @@ def test_docs_say_nothing_of_how_the_project_was_made():
             line = text.count("\n", 0, m.start()) + 1
             found.append(f"{doc.relative_to(ROOT)}:{line}: {m.group(0)}")
     assert not found, found
+
+
+def test_readme_names_every_scalar_the_runs_log():
+    """Every TensorBoard tag the trainer writes (``add_scalar`` / ``add_hparams`` metrics) is named
+    in the README's "Where to look"."""
+    source = (ROOT / "linear_rope" / "enwik8" / "metrics.py").read_text()
+    tags = set(re.findall(r'"((?:train|val|test|perf|grad|hparam)/\w+|lr)"', source))
+    assert len(tags) >= 9, tags
+    readme = README.read_text()
+    missing = sorted(t for t in tags if f"`{t}`" not in readme)
+    assert not missing, missing
