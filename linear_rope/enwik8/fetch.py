@@ -112,8 +112,8 @@ def _read_at_most(f, max_size: int | None, path: Path) -> bytes:
     buf = io.BytesIO()
     while chunk := f.read(_CHUNK):
         if max_size is not None and buf.tell() + len(chunk) > max_size:
-            raise DataError(f"{path} holds more than {max_size} bytes once decompressed, the "
-                            f"most expected (wrong or hostile file?)")
+            raise DataError(f"{path} decompresses to more than the {max_size} bytes expected "
+                            f"(wrong or hostile file?)")
         buf.write(chunk)
     return buf.getvalue()
 
