@@ -5,6 +5,7 @@ pytest's ``tmp_path``.
 """
 
 import bz2
+import contextlib
 import gzip
 import hashlib
 import http.server
@@ -75,24 +76,31 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def server(tmp_path):
-    """Serve ``tmp_path/served`` over HTTP on 127.0.0.1; yields (base_url, served_dir)."""
-    served = tmp_path / "served"
-    served.mkdir()
-
+@contextlib.contextmanager
+def serve(served: Path, handler_class=_Handler):
+    """Serve the folder ``served`` over HTTP on 127.0.0.1 with ``handler_class``; yields the
+    base URL (tests/test_download.py serves its hostile answers through this too)."""
     def handler(*args, **kwargs):
-        return _Handler(*args, directory=str(served), **kwargs)
+        return handler_class(*args, directory=str(served), **kwargs)
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", served
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+
+
+@pytest.fixture
+def server(tmp_path):
+    """Serve ``tmp_path/served`` over HTTP on 127.0.0.1; yields (base_url, served_dir)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    with serve(served) as base:
+        yield base, served
 
 
 @pytest.fixture

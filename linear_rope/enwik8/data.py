@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .fetch import DataError, download, read_corpus, verify_bytes
+from .fetch import (ARCHIVE_OVERHEAD, DataError, _missing_dirs, _remove_if_empty, download,
+                    read_corpus, remove_stale_temps, verify_bytes)
 from .files import atomic_write
 
 __all__ = [
@@ -110,29 +111,39 @@ def prepare_enwik8(data_dir=None, *, source=None, url: str = ENWIK8_URL,
     ``data_dir/enwik8.zip``, which is downloaded from ``url`` first if absent and kept so
     re-runs do not download again. The *decompressed* bytes must match ``size`` and
     ``md5`` (of the raw 100 MB file); if not, no ``.bin`` file is written and a zip
-    downloaded by this call is deleted again.
+    downloaded by this call is deleted again, with the folders the download created.
+
+    Bounds, since the download is plain http: it is refused past ``size`` plus
+    :data:`~linear_rope.enwik8.fetch.ARCHIVE_OVERHEAD` (``size`` None: enwik8's), and the
+    archive is decompressed in chunks and refused once past ``size`` bytes, so a small file
+    that inflates far beyond it costs no more memory than ``size``. Temporaries of
+    ``enwik8.zip`` left by a killed download are removed (``fetch.remove_stale_temps``).
     """
     data_dir = cache_dir() if data_dir is None else Path(data_dir)
     out_dir = data_dir / "enwik8"
+    zip_path = data_dir / "enwik8.zip"
+    remove_stale_temps(zip_path)
     paths = _split_paths(out_dir)
     if _complete(paths, None if size is None else split_sizes(size)):
         return paths
-    zip_path = data_dir / "enwik8.zip"
+    most = ENWIK8_SIZE if size is None else size  # what the decompressed corpus can be
     fresh = source is None and not zip_path.exists()
+    created = _missing_dirs(data_dir) if fresh else []
     if fresh:
         try:
-            download(url, zip_path)
+            download(url, zip_path, max_bytes=most + ARCHIVE_OVERHEAD)
         except DataError as e:  # offline, most often: say what to do instead
             raise DataError(f"could not fetch enwik8 ({e}); without internet, pass --data PATH to "
                             f"train on any byte corpus you have, or copy enwik8.zip into "
                             f"{data_dir}/") from None
     source = zip_path if source is None else Path(source)
     try:
-        raw = read_corpus(source)
+        raw = read_corpus(source, max_size=most)
         verify_bytes(raw, size=size, md5=md5, name=f"enwik8 from {source}")
     except DataError as e:
         if fresh:
             zip_path.unlink(missing_ok=True)  # never cache a download that fails verification
+            _remove_if_empty(created)
         elif source == zip_path:
             raise DataError(f"{e}; delete {zip_path} to download it again") from None
         raise
