@@ -421,20 +421,31 @@ def test_trust_remote_code_loads_an_export_in_a_fresh_process_and_pipeline_is_gr
         "    refused = ''\n"
         "except ValueError as e:\n"
         "    refused = str(e)\n"
+        # first, while only the remote code knows the model type: a config.json without rope_base
+        "lacking = AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True)\n"
+        "base = [lacking.config.rope_base, type(lacking.config).__module__.startswith('transformers_modules')]\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
         "text = pipeline('text-generation', model=model, tokenizer=tok)('The ', max_new_tokens=8)\n"
-        "print('\\n' + json.dumps([type(model).__name__, type(tok).__name__, text[0]['generated_text'], refused]))\n"
+        "print('\\n' + json.dumps([type(model).__name__, type(tok).__name__, text[0]['generated_text'], refused, base]))\n"
     )
+    import shutil
+
+    shutil.copytree(tmp_path / "hf", tmp_path / "lacking")
+    cfg = json.loads((tmp_path / "lacking" / "config.json").read_text())
+    del cfg["rope_base"]
+    (tmp_path / "lacking" / "config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "HF_HOME": str(tmp_path / "hf_home"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "hf")], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "hf"), str(tmp_path / "lacking")], env=env,
+                         capture_output=True,
                          text=True, cwd=tmp_path, timeout=300, stdin=subprocess.DEVNULL)  # [y/N]: no
     assert res.returncode == 0, res.stderr[-3000:]
-    model, tok, text, refused = json.loads(res.stdout.strip().splitlines()[-1])
+    model, tok, text, refused, base = json.loads(res.stdout.strip().splitlines()[-1])
     assert (model, tok) == ("LinearRopeForCausalLM", "ByteTokenizer")
     assert "trust_remote_code=True" in refused
+    assert base == [10000.0, True]  # the remote code's class, with ModelConfig's default (was: AttributeError)
     want = b"The " + sample.load_model(tmp_path / "ckpt-00000003.pt").generate(b"The ", 8, top_k=1)
     assert text == want.decode("utf-8", errors="replace")
 
