@@ -374,6 +374,13 @@ def test_ids_stay_bytes():
     assert tok.decode([72, 105]) == "Hi"
     with pytest.raises(ValueError, match="token id 300 is not a byte"):
         tok.decode([72, 300, 105])
+    assert tok.convert_tokens_to_ids(["H", "\xff"]) == [72, 255]
+    with pytest.raises(ValueError, match="token 'ab' is not a byte"):  # was: the pad id, 0, in silence
+        tok.convert_tokens_to_ids(["ab"])
+    tok.add_special_tokens({"eos_token": "<eos>"})  # an added token's id is past the bytes: the model refuses it
+    hf = LinearRopeForCausalLM.from_performer(tiny("rope"))
+    with pytest.raises(ValueError, match=r"input_ids: 1 id\(s\) outside \[0, vocab_size=256\): 256"):
+        hf(**tok(["Hi<eos>"], return_tensors="pt"))
 
 
 def test_the_absolute_table_is_refused_up_front(monkeypatch):
@@ -704,3 +711,12 @@ def test_generate_checks_its_prompt_as_performer_lm_does():
     want = hf.generate(input_ids=ids, attention_mask=mask, **kw)
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     assert torch.equal(hf.generate(input_ids=ids, attention_mask=mask, position_ids=pos, **kw), want)
+
+
+def test_a_keyword_of_from_pretrained_is_named_as_the_cause_not_the_file(tmp_path):
+    LinearRopeForCausalLM.from_performer(tiny("rope")).save_pretrained(tmp_path)
+    for load in (LinearRopeConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained,
+                 LinearRopeForCausalLM.from_pretrained):
+        with pytest.raises(ValueError) as e:
+            load(tmp_path, hidden_size=-1)
+        assert str(e.value) == "hidden_size (dim) must be >= 1, got -1", str(e.value)

@@ -30,7 +30,10 @@ NOT_READ = {
 
 class ConfigFieldError(ValueError):
     """A field of a ``LinearRopeConfig`` (under its own name or a transformers alias) that no
-    model can be built from: one line, naming the field as it was given, and the file it came from."""
+    model can be built from: one line, naming the field as it was given, and the file it came
+    from (``late``: set after construction, as a keyword of ``from_pretrained`` is: no file)."""
+
+    late = False
 
 
 def config_file(name_or_path, subfolder: str | None = None) -> str:
@@ -40,7 +43,7 @@ def config_file(name_or_path, subfolder: str | None = None) -> str:
 
 
 def _located(e: ConfigFieldError, where) -> ConfigFieldError:
-    return e if not where or str(e).startswith(f"{where}:") else ConfigFieldError(f"{where}: {e}")
+    return e if not where or e.late or str(e).startswith(f"{where}:") else ConfigFieldError(f"{where}: {e}")
 
 
 def check_model_fields(values: dict, given: dict[str, str] | None = None) -> ModelConfig:
@@ -132,10 +135,14 @@ class LinearRopeConfig(PretrainedConfig):
 
     def __setattr__(self, key, value):
         field = ALIASES.get(key, key)
-        if key in NOT_READ or key == "tie_word_embeddings":
-            _check_not_read(key, value)
-        if field in MODEL_FIELDS and all(name in self.__dict__ for name in MODEL_FIELDS):
-            check_model_fields({**{n: self.__dict__[n] for n in MODEL_FIELDS}, field: value}, {field: key})
+        try:
+            if key in NOT_READ or key == "tie_word_embeddings":
+                _check_not_read(key, value)
+            if field in MODEL_FIELDS and all(name in self.__dict__ for name in MODEL_FIELDS):
+                check_model_fields({**{n: self.__dict__[n] for n in MODEL_FIELDS}, field: value}, {field: key})
+        except ConfigFieldError as e:
+            e.late = all(name in self.__dict__ for name in MODEL_FIELDS)  # not from a file: a keyword, an edit
+            raise
         super().__setattr__(key, value)
 
     def to_dict(self) -> dict:
