@@ -601,7 +601,10 @@ def test_a_config_is_checked_against_its_weights_before_anything_is_built(tmp_pa
         LinearRopeForCausalLM.from_pretrained(tmp_path, dim=64)
 
 
-BACKENDS = ["torch", "parallel"]
+BACKENDS = ["torch", "parallel", "auto"]
+# Checks that read values (a host sync on a GPU): on by default for CPU tensors, where
+# LINEAR_ROPE_BACKEND=parallel keeps the GPU's rule (off unless LINEAR_ROPE_CHECKS=1).
+VALUE_CHECKS = ("id(s) outside", "must hold only 0 and 1", "label(s) outside", "must lie in [0, seen")
 
 
 def bad_forward_inputs(hf):
@@ -652,13 +655,23 @@ def bad_forward_inputs(hf):
 def test_forward_checks_its_inputs_as_performer_lm_does(backend, monkeypatch):
     """Every malformed input is a one-line ValueError naming it, on each backend; what passed
     before in silence (ids past the bytes: NaN logits; a mask of 2 or 0.5; position_ids the model
-    does not use; an unknown keyword; a cache of another model) included."""
+    does not use; an unknown keyword; a cache of another model) included. Under ``parallel`` (the
+    GPU's rule) the value checks run with LINEAR_ROPE_CHECKS=1, and without it an id past the
+    bytes gives NaN logits, as documented."""
     monkeypatch.setenv("LINEAR_ROPE_BACKEND", backend)
     hf = LinearRopeForCausalLM.from_performer(tiny("rope"))
-    for kw, text in bad_forward_inputs(hf):
-        with pytest.raises(ValueError) as e:
-            hf(**kw)
-        assert text in str(e.value) and "\n" not in str(e.value), (text, str(e.value))
+    for checks in (["0", "1"] if backend == "parallel" else ["0"]):
+        monkeypatch.setenv("LINEAR_ROPE_CHECKS", checks)
+        for kw, text in bad_forward_inputs(hf):
+            if checks == "0" and backend == "parallel" and any(v in text for v in VALUE_CHECKS):
+                continue
+            with pytest.raises(ValueError) as e:
+                hf(**kw)
+            assert text in str(e.value) and "\n" not in str(e.value), (text, str(e.value))
+    if backend == "parallel":
+        monkeypatch.setenv("LINEAR_ROPE_CHECKS", "0")
+        logits = hf(input_ids=torch.tensor([[1, 256]])).logits
+        assert logits[0, 1].isnan().all()  # NaN, never a wrong finite value
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

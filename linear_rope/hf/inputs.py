@@ -3,10 +3,12 @@ native API runs them (``PerformerLM.forward`` / ``generate``): one-line ValueErr
 argument, never a traceback deep in torch or NaN logits without a word.
 
 Shapes, dtypes and devices are always checked. Values (ids in the vocabulary, a mask of 0 and
-1, labels, a cache's positions) are read where that costs no device sync: tensors on the CPU,
-eager (not under ``torch.compile`` or a ``torch.func`` transform); on a GPU with
-``LINEAR_ROPE_CHECKS=1``, and once per ``generate()`` call for the prompt (``generate`` reads
-a value every token anyway). Position arguments a caller chooses to pass (``position_ids``,
+1, labels, a cache's positions) are read where that costs no device sync, as the native API
+reads them: tensors on the CPU, eager (not under ``torch.compile`` or a ``torch.func``
+transform), unless ``LINEAR_ROPE_BACKEND=parallel`` stands for the GPU's path there; on a GPU
+(and under that backend) with ``LINEAR_ROPE_CHECKS=1``, and once per ``generate()`` call for
+the prompt (``generate`` reads a value every token anyway). Unread, an id outside the
+vocabulary gives NaN logits, as ``PerformerLM``'s does. Position arguments a caller chooses to pass (``position_ids``,
 ``cache_position``) are always read: each must equal what the model uses, or it is refused.
 """
 from __future__ import annotations
@@ -27,9 +29,18 @@ FORWARD_EXTRAS = {"num_items_in_batch", "position_ids", "cache_position", "outpu
 
 
 def reads_values(t: torch.Tensor, always: bool = False) -> bool:
-    """Whether a check may read ``t``'s values here: eager, and on the CPU (no device sync),
-    with ``LINEAR_ROPE_CHECKS=1``, or ``always``."""
-    return not is_static() and t.device.type != "meta" and (always or t.device.type == "cpu" or debug_checks())
+    """Whether a check reads ``t``'s values here: eager, and ``always``, with
+    ``LINEAR_ROPE_CHECKS=1``, or on the CPU (no device sync) unless ``LINEAR_ROPE_BACKEND=parallel``
+    stands for the GPU's path."""
+    if is_static() or t.device.type == "meta":
+        return False
+    if always or debug_checks():
+        return True
+    if t.device.type != "cpu":
+        return False
+    from ..ops.triton.dispatch import backend  # (imports nothing of the kernels)
+
+    return backend() != "parallel"
 
 
 def _shown(vals: torch.Tensor) -> str:
