@@ -236,10 +236,13 @@ def test_generate_samples_through_sample_next(monkeypatch):
 
 @pytest.mark.parametrize("position", ["rope", "rope_norm"])
 @torch.no_grad()
-def test_hugging_face_cached_steps_run_on_the_decoder(position):
+def test_hugging_face_cached_steps_run_on_the_decoder(position, monkeypatch):
     """``LinearRopeForCausalLM`` with a cache: tokens with no padding step on a Decoder held by
-    the cache (no value read after the first), with the logits of ``PerformerLM.step``."""
+    the cache (no value read after the first, on the GPU's path: ``LINEAR_ROPE_BACKEND=parallel``,
+    where the input checks that read CPU tensors' values keep the GPU's rule), with the logits of
+    ``PerformerLM.step``."""
     pytest.importorskip("transformers")
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", "parallel")
     from linear_rope.hf import LinearRopeForCausalLM
 
     lm = tiny(position=position).double()

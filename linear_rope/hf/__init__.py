@@ -12,8 +12,11 @@ transformers causal LM, registered with ``AutoConfig``, ``AutoModelForCausalLM``
 An exported folder also loads with ``from_pretrained(OUT_DIR, trust_remote_code=True)`` and no
 import: its ``auto_map`` names ``modeling_linear_rope.py``, which imports the installed package.
 
-* ``configuration.py`` ``LinearRopeConfig``: ``ModelConfig``'s fields;
+* ``configuration.py`` ``LinearRopeConfig``: ``ModelConfig``'s fields, checked under their own
+                       names and transformers' (``hidden_size``, ``rope_theta``, ...);
 * ``modeling.py``      ``LinearRopeForCausalLM`` and its ``RecurrentCache`` (the O(1) state);
+* ``loading.py``       a folder's config checked against its weights' headers before building;
+* ``inputs.py``        the checks ``forward`` and ``generate`` run on their inputs;
 * ``tokenization.py``  ``ByteTokenizer``: UTF-8 bytes, id = byte;
 * ``export.py``        ``python -m linear_rope.export RUN_DIR OUT_DIR``: a training run's
                        checkpoint as a ``save_pretrained`` folder (safetensors).
@@ -27,11 +30,11 @@ except ImportError as e:  # one line, with the fix
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .configuration import LinearRopeConfig
+from .configuration import ConfigFieldError, LinearRopeConfig
 from .modeling import LinearRopeForCausalLM, RecurrentCache
 from .tokenization import ByteTokenizer
 
-__all__ = ["LinearRopeConfig", "LinearRopeForCausalLM", "RecurrentCache", "ByteTokenizer"]
+__all__ = ["LinearRopeConfig", "ConfigFieldError", "LinearRopeForCausalLM", "RecurrentCache", "ByteTokenizer"]
 
 AutoConfig.register(LinearRopeConfig.model_type, LinearRopeConfig, exist_ok=True)
 AutoModelForCausalLM.register(LinearRopeConfig, LinearRopeForCausalLM, exist_ok=True)

@@ -10,6 +10,9 @@ read. Left-padded rows under an ``attention_mask`` get the positions they get al
 """
 from __future__ import annotations
 
+import contextvars
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
@@ -19,13 +22,21 @@ from ..decode import Decoder
 from ..model import PerformerLM
 from ..ops import LinearAttentionState
 from ..softmax_attention import KVCache
-from .configuration import LinearRopeConfig
+from .configuration import ALIASES, MODEL_FIELDS, LinearRopeConfig, config_file
+from .inputs import (check_cache, check_cache_position, check_extra_kwargs, check_ids, check_labels, check_mask,
+                     check_positions)
+from .loading import check_config_fits, shapes_error, weight_shapes
 from .remote import AUTO_MAP, write_remote_code
 
 __all__ = ["LinearRopeForCausalLM", "RecurrentCache"]
 
 # transformers 5 names the cache ``cache`` in model outputs (``past_key_values`` before).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# from_pretrained -> __init__: (the config's name, the weights' file, their shapes), checked before building
+_LOADING = contextvars.ContextVar("linear_rope_hf_loading", default=None)
+# the fields that size or select weights: a default of these the weights contradict is named as such
+SIZING = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len", "position", "feature_map",
+          "ff_mult", "qk_norm")
 
 
 class RecurrentCache:
@@ -88,7 +99,14 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LinearRopeConfig):
         super().__init__(config)
-        self.model = PerformerLM(config.to_model_config())
+        cfg = config.to_model_config()
+        loading = _LOADING.get()
+        if loading is not None:  # from_pretrained: the config must describe the weights before it is built
+            _LOADING.set(None)
+            named, file, shapes, from_file = loading
+            defaulted = [f for f in getattr(config, "_defaulted", ()) if f in SIZING] if from_file else ()
+            check_config_fits(cfg, shapes, file, named, defaulted)
+        self.model = PerformerLM(cfg)
         self.post_init()
         if self.generation_config is not None:  # stated, so that pipeline() does not sample by its own default
             self.generation_config.do_sample = False
@@ -106,10 +124,31 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         """``PreTrainedModel.from_pretrained``, refusing a folder whose weights do not cover the
         model its config describes (a tensor removed from ``model.safetensors``, a ``depth``,
         ``position`` or width edited in ``config.json``): a weight left as allocated would decode
-        garbage, and ``PerformerLM``'s initialisation would be a random model under a trained name."""
+        garbage, and ``PerformerLM``'s initialisation would be a random model under a trained name.
+
+        A local folder's config (its ``config.json``, with any field given here, or ``config=``)
+        is checked against the weights' headers before the model is built (``loading.py``): a
+        ``depth`` of 1e6 or a wrong width is refused in one line naming the file, never allocated."""
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        check_loaded(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        found = weight_shapes(where, kwargs.get("subfolder", ""), kwargs.get("variant"), kwargs.get("use_safetensors"))
+        if found is None and isinstance(kwargs.get("state_dict"), dict):
+            found = (Path("state_dict"), {k: tuple(v.shape) for k, v in kwargs["state_dict"].items()})
+        given = kwargs.get("config")
+        from_file = given is None or isinstance(given, (str, Path)) or bool(given.name_or_path)
+        if given is None or isinstance(given, (str, Path)):
+            named = config_file(given or where, None if given else kwargs.get("subfolder"))
+        else:  # the Auto classes pass the config they read; a config of one's own names no file
+            named = config_file(given.name_or_path) if given.name_or_path else "the config given"
+        fields = {k: v for k, v in kwargs.items() if ALIASES.get(k, k) in MODEL_FIELDS}
+        if fields:
+            named += f" with {', '.join(f'{k}={v!r}' for k, v in fields.items())} given"
+        token = _LOADING.set(None if found is None else (named, *found, from_file))
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        finally:
+            _LOADING.reset(token)
+        check_loaded(info, where)
         return (model, info) if want_info else model
 
     @classmethod
@@ -155,32 +194,54 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         """input_ids `[B, N]` -> ``CausalLMOutputWithPast`` (logits `[B, N, 256]`).
 
         Args:
-            attention_mask: `[B, N]` (or `[B, past + N]` with a cache) 1 = real token, 0 =
-                padding, left or right; each row's real tokens get the logits they get alone,
-                at positions that count its real tokens only (``position_ids`` are not read).
+            attention_mask: `[B, N]` (or `[B, seen + N]` with a cache: the cache's columns and
+                these) of 0 and 1 (bool, integer or float), 1 = real token, 0 = padding, left or
+                right; each row's real tokens get the logits they get alone, at positions that
+                count its real tokens only.
             labels: `[B, N]`, shifted inside (``labels = input_ids`` trains next-byte
                 prediction); -100 is ignored. The loss is the mean cross-entropy, as the trainer's
                 (or the sum over ``num_items_in_batch``, as Hugging Face's Trainer passes it).
             past_key_values / cache: a ``RecurrentCache``; input_ids then holds the new tokens
                 only, read one step at a time (O(1) each). Updated in place and returned.
             use_cache: return the cache (default ``config.use_cache``, off in training).
+            position_ids `[B, N]` / cache_position `[N]`: not needed; where given they must be
+                the positions the model reads (each row's real tokens 0, 1, 2, ..., as
+                ``attention_mask.cumsum(-1) - 1`` gives them, continuing the cache's) and the
+                columns read next; any other value is refused.
+
+        Inputs are checked as ``PerformerLM``'s (``inputs.py``): a malformed one is a one-line
+        ValueError naming it; ids, mask values and labels are read where that costs no device
+        sync (on the CPU; on a GPU with ``LINEAR_ROPE_CHECKS=1``), as an unknown keyword is refused.
         """
+        check_extra_kwargs(kwargs)
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds: a byte-level model takes input_ids only")
         if input_ids is None:
             raise ValueError("input_ids is required")
+        for name, flag in (("use_cache", use_cache), ("return_dict", return_dict)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True, False or None, got {flag!r}")
+        device = self.model.head.weight.device
+        check_ids(input_ids, self.config.vocab_size, device)
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, RecurrentCache):
             raise ValueError(f"past_key_values must be a RecurrentCache (from this model), got {type(cache).__name__}")
         use_cache = use_cache if use_cache is not None else (getattr(self.config, "use_cache", True) and not self.training)
         B, N = input_ids.shape
+        if cache is not None:
+            check_cache(cache, len(self.model.blocks), self.model.cfg.position == "softmax", B, device)
+        if labels is not None:
+            check_labels(labels, (B, N), self.config.vocab_size)
         mask = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < N:
-                raise ValueError(f"attention_mask must be [B={B}, >= N={N}] (1 = real token), "
-                                 f"got {list(attention_mask.shape)}")
-            mask = attention_mask[:, -N:].bool()
+            mask = check_mask(attention_mask, B, (N,) if cache is None else (N, cache.seen + N), device)[:, -N:]
             mask = None if bool(mask.all()) else mask
+        if kwargs.get("cache_position") is not None:
+            check_cache_position(kwargs["cache_position"], 0 if cache is None else cache.seen, N)
+        if kwargs.get("position_ids") is not None:
+            counted = torch.arange(N, device=device).expand(B, N) if mask is None else mask.long().cumsum(1) - 1
+            start = 0 if cache is None else cache.positions.long()[:, None]
+            check_positions(kwargs["position_ids"], counted + start, mask)
         if cache is None:
             logits, cache = self._read_prompt(input_ids, mask, use_cache)
         else:
@@ -255,19 +316,45 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
         return F.cross_entropy(pred, target, ignore_index=-100, reduction="sum") / num_items_in_batch
 
     def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate``; the ``absolute`` variant refuses up front, from the
-        lengths, a prompt plus ``max_new_tokens`` past its table (as ``PerformerLM.generate``)."""
+        """``GenerationMixin.generate``, its prompt checked up front as ``PerformerLM.generate``
+        checks it (one read of the prompt's values, on any device): ``input_ids`` of bytes, an
+        ``attention_mask`` of 0 and 1 whose last column is real in every row (left padding: each
+        row continues from its last column, so right padding or an empty row would continue from a
+        pad), ``position_ids`` (not needed) only as the mask gives them. The ``absolute`` variant
+        refuses, from the lengths, a prompt plus ``max_new_tokens`` past its table."""
+        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        self._check_prompt(ids, kwargs)
         if self.model.pos_emb is not None:
-            ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
             cfg = (args[1] if len(args) > 1 else kwargs.get("generation_config")) or self.generation_config
             new = kwargs.get("max_new_tokens", cfg.max_new_tokens if "max_length" not in kwargs else None)
-            total = (ids.shape[-1] + new) if new is not None and ids is not None else \
+            total = (ids.shape[-1] + new) if new is not None else \
                 kwargs.get("max_length", cfg.max_length)
             if total is not None and total > self.config.seq_len + 1:
                 raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.config.seq_len} "
                                  f"(the prompt and the new tokens come to {total} tokens, at most "
                                  f"{self.config.seq_len + 1} fit)")
         return super().generate(*args, **kwargs)
+
+    def _check_prompt(self, ids, kwargs: dict) -> None:
+        if ids is None:
+            raise ValueError("input_ids is required: the model has no start-of-text token to begin from")
+        cfg = kwargs.get("generation_config") or self.generation_config
+        for key in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(key, getattr(cfg, key, False)):
+                raise ValueError(f"{key}: not available (the model returns logits only); leave it out")
+        device = self.model.head.weight.device
+        check_ids(ids, self.config.vocab_size, device, always=True)
+        B, N = ids.shape
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            mask = check_mask(mask, B, (N,), device, always=True)
+            if not bool(mask[:, -1].all()):
+                b = int((~mask[:, -1]).nonzero()[0])
+                raise ValueError(f"attention_mask: row {b} ends in padding, and generate() continues every row from "
+                                 f"its last column: pad on the left (ByteTokenizer's default)")
+        if kwargs.get("position_ids") is not None:  # checked, then dropped: the model counts positions itself
+            want = torch.arange(N, device=device).expand(B, N) if mask is None else mask.long().cumsum(1) - 1
+            check_positions(kwargs.pop("position_ids"), want, mask)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, use_cache=True, **kwargs):
         """With a cache, only the columns it has not read go in: after the prompt the newest
@@ -288,9 +375,7 @@ class LinearRopeForCausalLM(PreTrainedModel, GenerationMixin):
 def check_loaded(info: dict, where) -> None:
     """ValueError (one line) unless ``from_pretrained`` found every weight, of its shape, and
     nothing else."""
-    parts = [(k, sorted(info.get(k) or ())) for k in ("missing_keys", "mismatched_keys", "unexpected_keys")]
-    bad = [f"{len(v)} {k.split('_')[0]} ({', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''})"
-           for k, v in parts if v]
+    bad = shapes_error(*(info.get(k) or () for k in ("missing_keys", "mismatched_keys", "unexpected_keys")))
     if bad:
-        raise ValueError(f"{where}: its weights do not match its config.json ({'; '.join(bad)}); "
+        raise ValueError(f"{where}: its weights do not match its config.json ({bad}); "
                          f"re-export the run, or restore the folder's config.json and model.safetensors")

@@ -31,7 +31,10 @@ class ByteTokenizer(PreTrainedTokenizer):
         return [chr(b) for b in text.encode("utf-8")]
 
     def _convert_token_to_id(self, token: str) -> int:
-        return ord(token) if len(token) == 1 and ord(token) < 256 else self.pad_token_id
+        if not (isinstance(token, str) and len(token) == 1 and ord(token) < 256):  # never the pad id in silence
+            raise ValueError(f"token {token!r} is not a byte: ByteTokenizer's tokens are the 256 single "
+                             f"characters U+0000..U+00FF, one per byte")
+        return ord(token)
 
     def _convert_id_to_token(self, index: int) -> str:
         if not 0 <= index < 256:  # never dropped in silence: an id past the bytes is not text

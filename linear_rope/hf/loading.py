@@ -1,0 +1,107 @@
+"""A saved folder's config checked against its weights before a model is built from it.
+
+``from_pretrained`` builds the model its ``config.json`` describes, then loads the weights into
+it: a ``depth`` edited to 1e6 (or a ``dim``, ``nb_features``, ...) would allocate and initialise
+that model first. Here the tensors' names and shapes are read from the weight files' headers
+(no tensor is read) and compared with the model the config describes, sized step by step so that
+nothing larger than the weights is ever made: the number of blocks first, the widths next
+(from tensors of the file), and only then the whole state dict's shapes, from a model on the
+``meta`` device.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..model import ModelConfig, PerformerLM
+
+__all__ = ["weight_shapes", "check_config_fits", "shapes_error"]
+
+PREFIX = "model."  # LinearRopeForCausalLM.base_model_prefix
+
+
+def _weight_files(folder: Path, variant: str | None, use_safetensors: bool | None) -> list[Path]:
+    def named(name: str) -> Path:
+        stem, ext = name.rsplit(".", 1)
+        return folder / (f"{stem}.{variant}.{ext}" if variant else name)
+
+    safe = [named("model.safetensors"), named("model.safetensors.index.json")]
+    pt = [named("pytorch_model.bin"), named("pytorch_model.bin.index.json")]
+    for f in (pt + safe) if use_safetensors is False else (safe + ([] if use_safetensors else pt)):
+        if f.is_file():
+            if f.name.endswith(".index.json"):
+                shards = sorted(set(json.loads(f.read_text())["weight_map"].values()))
+                return [folder / s for s in shards]
+            return [f]
+    return []
+
+
+def weight_shapes(name_or_path, subfolder: str = "", variant: str | None = None,
+                  use_safetensors: bool | None = None) -> tuple[Path, dict[str, tuple[int, ...]]] | None:
+    """``(the weights' file, {name: shape})`` of a local folder's weights, from the files'
+    headers (a ``.bin`` is opened on ``meta``); None where ``name_or_path`` is not a local folder
+    or holds no weight file (``from_pretrained`` then says what it lacks). A header that cannot be
+    read is a one-line ValueError naming the file."""
+    if name_or_path is None or not Path(str(name_or_path), subfolder or "").is_dir():
+        return None
+    files = _weight_files(Path(str(name_or_path), subfolder or ""), variant, use_safetensors)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(f), framework="pt") as s:
+                    shapes.update({k: tuple(s.get_slice(k).get_shape()) for k in s.keys()})
+            else:
+                sd = torch.load(f, map_location="meta", weights_only=True)
+                shapes.update({k: tuple(v.shape) for k, v in sd.items()})
+        except Exception as e:  # noqa: BLE001 -- any unreadable header: one line naming the file
+            raise ValueError(f"{f}: its header cannot be read ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:160]})") from None
+    return (files[0], shapes) if files else None
+
+
+def shapes_error(missing, mismatched, unexpected) -> str | None:
+    """``N missing (a, b, c, ...); N mismatched (...); N unexpected (...)``, or None."""
+    parts = [("missing", sorted(missing)), ("mismatched", sorted(mismatched)), ("unexpected", sorted(unexpected))]
+    bad = [f"{len(v)} {k} ({', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''})" for k, v in parts if v]
+    return "; ".join(bad) or None
+
+
+def check_config_fits(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], file: Path, config: str,
+                      defaulted=()) -> None:
+    """ValueError (one line, naming ``file`` and ``config``, where the config came from, and the
+    fields ``defaulted`` because it lacks them) unless the model ``cfg`` describes holds exactly
+    the tensors ``shapes`` names, of their shapes (``model.``-prefixed names)."""
+    def refuse(what: str):
+        lacks = f"; it lacks {', '.join(defaulted)}, which took ModelConfig's defaults" if defaulted else ""
+        raise ValueError(f"{file}: its weights do not match {config} ({what}{lacks}); re-export the run, or "
+                         f"restore the folder's config.json and weights")
+
+    held = {k[len(PREFIX):]: s for k, s in shapes.items() if k.startswith(PREFIX)}
+    blocks = {k.split(".")[1] for k in held if k.startswith("blocks.")}
+    if len(blocks) != cfg.depth:  # first: a depth of 1e6 is never built, even on meta
+        refuse(f"depth {cfg.depth}, but the weights hold {len(blocks)} blocks")
+    want = {"tok_emb.weight": (cfg.vocab_size, cfg.dim), "head.weight": (cfg.vocab_size, cfg.dim),
+            "blocks.0.attn.to_qkv.weight": (3 * cfg.heads * cfg.dim_head, cfg.dim),
+            "blocks.0.ff.0.weight": (cfg.ff_mult * cfg.dim, cfg.dim)}
+    bad = [f"{k} should be {list(s)}, is {list(held[k]) if k in held else 'missing'}"
+           for k, s in want.items() if held.get(k) != s]
+    if bad:
+        refuse("; ".join(bad[:3]))
+    numbers = sum(int(torch.Size(s).numel()) for s in shapes.values())
+    if cfg.nb_features is not None and cfg.nb_features * cfg.dim_head > numbers:  # a projection is drawn for it
+        refuse(f"nb_features {cfg.nb_features} needs more numbers than the weights hold")
+    try:
+        with torch.device("meta"):  # widths bounded by the file's now: shapes only, nothing allocated
+            sd = PerformerLM(cfg).state_dict()
+    except ValueError as e:  # a combination ModelConfig accepts and a layer refuses (elu with m != d)
+        raise ValueError(f"{config}: {' '.join(str(e).split())}") from None
+    want = {PREFIX + k: tuple(t.shape) for k, t in sd.items()}
+    err = shapes_error(set(want) - set(shapes), {k for k in set(want) & set(shapes) if want[k] != shapes[k]},
+                       set(shapes) - set(want))
+    if err:
+        refuse(err)
