@@ -54,10 +54,14 @@ def _turn_limbs(dim: int, base: float) -> tuple[tuple[tuple[float, ...], ...], .
     return a, b
 
 
-@torch.compiler.assume_constant_result
 def _limbs(dim: int, base: float):
     """``_turn_limbs``, which torch.compile takes as the constant it is (no tracing of Fractions)."""
     return _turn_limbs(dim, base)
+
+
+# What ``@torch.compiler.assume_constant_result`` sets, without importing ``torch._dynamo`` (a
+# second of ``import linear_rope``) to set it; tests/test_package.py checks the decorator still does.
+_limbs._dynamo_marked_constant = True
 
 
 _LIMB_TENSORS: dict = {}  # (dim, base, device) -> (a, b) on that device, made once
