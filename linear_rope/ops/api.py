@@ -88,10 +88,12 @@ def rotary_linear_attention(
 
     Returns:
         `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``.
-        Double backward of the fast path is not supported (one-line RuntimeError; under
-        ``torch.func`` the composite path below is differentiable to any order); nor is
-        ``torch.jit.trace`` of the causal path (use ``torch.compile``). B = 0, H = 0, N = 0 or
-        e = 0 give empty results (N = 0: the state passes through).
+        Double backward is not supported on the torch path nor through the chunk-parallel
+        path's bf16 products (one-line RuntimeError; in float32 or wider the chunk-parallel
+        path is plain autograd, and under ``torch.func`` the composite path below is
+        differentiable to any order). Nor is ``torch.jit.trace`` of the causal path (use
+        ``torch.compile``). A backward may run inside the autocast block of its forward. B = 0,
+        H = 0, N = 0 or e = 0 give empty results (N = 0: the state passes through).
 
     Backends (``LINEAR_ROPE_BACKEND``): ``auto`` (the default) runs a causal call on CUDA
     tensors through the chunk-parallel path (``parallel.py``: plain torch ops, a fixed number of

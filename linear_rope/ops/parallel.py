@@ -60,13 +60,16 @@ from ..checks import is_compiling
 from ..features import favor_exp_, favor_inputs, favor_projection
 from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
 
-__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
+__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "DOUBLE_BACKWARD", "PACKED_REASON", "checks_enabled",
            "compute_dtypes", "segment_tokens"]
 
 CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
 STATE_BYTES = 4 << 30  # per-chunk states of one segment (float32), at most: 4 GiB
 KEEP_BYTES = 16 << 30  # what one segment keeps for the backward, at most; above, it recomputes (16 GiB)
 CHECKS_VAR = "LINEAR_ROPE_CHECKS"
+DOUBLE_BACKWARD = ("rotary_linear_attention: double backward (create_graph=True) is not supported on the "
+                   "chunk-parallel path's bf16 products (bf16 inputs or a bf16 autocast); run it in float32, or "
+                   "under torch.func for the composite path")
 PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
                  "sync, so packed documents take the torch path")
 
@@ -261,6 +264,8 @@ class _Bf16Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():  # create_graph=True: this backward is not itself differentiated
+            raise RuntimeError(DOUBLE_BACKWARD)
         a16, b16 = ctx.saved_tensors
         with torch.autocast(g.device.type, enabled=False):  # a backward run under autocast: these dtypes
             g16 = _round(g)
