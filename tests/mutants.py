@@ -173,6 +173,12 @@ MUTANTS = [
            "        if torch.is_grad_enabled():  # create_graph=True: this backward is not itself differentiated\n"
            "            raise RuntimeError(DOUBLE_BACKWARD)\n", "",
            ["tests/test_autocast_backward.py", "-k", "double_backward and bf16"]),
+    Mutant("RoPE angles of a position past MAX_POSITION (a wrapped int64 sum) left finite", "linear_rope/rotary.py",
+           '        turns = turns.masked_fill((mag >> 62) != 0, float("nan"))\n', "        pass\n",
+           ["tests/test_positions.py", "-k", "rope_turns or explicit_positions"]),
+    Mutant("parallel path: RoPE angles of per-row positions past MAX_POSITION left finite", OPS + "parallel.py",
+           '        turns = turns.masked_fill((mag >> 62) != 0, float("nan"))\n', "        pass\n",
+           ["tests/test_positions.py", "-k", "per_row_offsets_past_the_bound and parallel"]),
     Mutant("torch path: the custom backward runs under the caller's autocast", OPS + "chunk_op.py",
            "    with torch.autocast(v.device.type, enabled=False):  # a backward called inside an autocast block",
            "    with torch.autocast(v.device.type):  # a backward called inside an autocast block",

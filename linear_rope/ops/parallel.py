@@ -119,9 +119,9 @@ def _limb_tensors(dim: int, base: float, device: torch.device):
 
 def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False) -> torch.Tensor:
     """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile.
-    ``nonneg``: the positions are known to be >= 0 (no sign to carry)."""
+    ``nonneg``: the positions are known to lie in [0, MAX_POSITION] (no sign to carry)."""
     if is_compiling():
-        return rope_turns(positions, dim, base)
+        return rope_turns(positions, dim, base, in_range=nonneg)
     a, b = _limb_tensors(dim, float(base), positions.device)
     p = positions.reshape(-1, 1)
     mag = p if nonneg else p.abs()
@@ -132,6 +132,8 @@ def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False)
     turns -= turns.floor()
     turns = torch.addmm(turns, limbs, b)
     turns -= turns.floor()
+    if not nonneg:  # past MAX_POSITION (a wrapped sum, -2**63): NaN, as rope_turns gives
+        turns = turns.masked_fill((mag >> 62) != 0, float("nan"))
     return turns.view(*positions.shape, dim // 2)
 
 
