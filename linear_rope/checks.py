@@ -70,9 +70,16 @@ def check_input(x, name: str, dims: str, like: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dim is {x.shape[-1]}, the layer's dim is {dim}")
     if x.device != like.device:
         raise ValueError(f"{name} is on {x.device}, the layer on {like.device}")
-    cast = torch.is_autocast_enabled(x.device.type) and torch.float64 not in (x.dtype, like.dtype)  # (autocast
-    if x.dtype != like.dtype and not cast:  # casts float16 / bfloat16 / float32, never float64)
+    if x.dtype != like.dtype and not (_autocast(x.device.type) and torch.float64 not in (x.dtype, like.dtype)):
         raise ValueError(f"{name} is {x.dtype}, the layer's weights {like.dtype}: cast one to the other")
+
+
+def _autocast(device_type: str) -> bool:
+    """An autocast is on for the device (it casts float16, bfloat16 and float32, never float64)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
 
 
 def is_compiling() -> bool:
