@@ -277,7 +277,9 @@ class PerformerLM(nn.Module):
         ``mask`` `[B, N]` bool (True = real token) lets rows of different lengths share a batch,
         padded on the left or the right: each row's real tokens get the logits they get alone.
         With ``output_final_state`` also the per-layer recurrent states after the last token
-        (for ``step``; with a mask, the next position of row b is ``mask[b].sum()``).
+        (for ``step``; with a mask, the next position of row b is ``mask[b].sum()``). B = 0 gives
+        empty logits. An id outside [0, vocab_size) is a ValueError where the value checks run
+        (CPU tensors: ``checks.value_checks``), NaN logits elsewhere (no device sync).
         """
         self._check_ids(ids, "ids", 2)
         check_flag("output_final_state", output_final_state)

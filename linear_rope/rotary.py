@@ -124,8 +124,8 @@ def check_offset(offset, name: str = "offset", rows: int | None = None, read: bo
     """An int in [0, MAX_POSITION], or (when ``rows`` is given) also an integer tensor `[rows]`
     of per-row values (returned as long). A tensor's values are read where ``read`` says (None:
     ``checks.value_checks``, i.e. on CPU tensors, or everywhere with ``LINEAR_ROPE_CHECKS=1``);
-    unread, a position out of range gets the exact angle of a negative position, or NaN past
-    ``MAX_POSITION`` (``rope_turns``), never another position's angle."""
+    unread, a negative position gets its exact angle and one past ``MAX_POSITION`` NaN angles
+    (``rope_turns``), never another position's."""
     if isinstance(offset, torch.Tensor) and rows is not None:
         if offset.dtype not in (torch.int32, torch.int64) or offset.shape != (rows,):
             raise ValueError(f"{name} must be an int or an integer tensor [{rows}], got "

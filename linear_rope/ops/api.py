@@ -102,7 +102,8 @@ def rotary_linear_attention(
     ``parallel`` takes the chunk-parallel path on any device; ``torch`` the torch path. On the
     chunk-parallel path the checks that read tensor values (features >= 0, a finite projection
     and state, offsets in range, a finite final key sum) are off unless ``LINEAR_ROPE_CHECKS=1``
-    (each would make the GPU wait); packed documents (``cu_seqlens``) go to the torch path there,
+    (each would make the GPU wait: unread, a token past ``MAX_POSITION`` gets NaN, never another
+    position's angle); packed documents (``cu_seqlens``) go to the torch path there,
     with the reason recorded (``record_paths``). ``triton`` takes the fused Triton kernels
     (``linear_rope.ops.triton``; raises with the reason for a call they do not take), which
     ``auto`` picks only once a GPU run in this process has measured them faster than the
