@@ -26,8 +26,8 @@ import torch
 
 ID_DTYPES = (torch.long, torch.int32, torch.uint8)  # token ids (a bool tensor is not one)
 
-__all__ = ["ID_DTYPES", "debug_checks", "value_checks", "check_input", "CHECKS_ENV", "values", "in_transform", "is_transformed", "is_compiling", "is_static", "require", "check_flag",
-           "check_base"]
+__all__ = ["ID_DTYPES", "debug_checks", "value_checks", "check_input", "CHECKS_ENV", "values", "in_transform",
+           "is_transformed", "is_compiling", "is_static", "require", "check_flag", "check_base"]
 
 
 CHECKS_ENV = "LINEAR_ROPE_CHECKS"
@@ -61,7 +61,8 @@ def check_input(x, name: str, dims: str, like: torch.Tensor) -> None:
     """A layer's input ``x``: a floating-point tensor of the shape ``dims`` names (`"[B, N, dim]"`
     or `"[B, dim]"`: its rank), whose last dim is ``like``'s (the input projection's weight
     `[out, dim]`), on ``like``'s device, and in its dtype unless an autocast on that device
-    casts both (float64 it never casts). ValueError naming ``name`` otherwise (torch's own error would name a matmul)."""
+    casts both (float64 it never casts). ValueError naming ``name`` otherwise (torch's own error
+    names a matmul)."""
     rank, dim = dims.count(",") + 1, like.shape[-1]
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != rank:
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

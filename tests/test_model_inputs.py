@@ -125,7 +125,8 @@ def test_step_refuses_malformed_inputs(backend):
         "states": [lambda: model.step(tok, states[:1], 3), lambda: model.step(tok, states[0], 3),
                    lambda: model.step(tok, [1, 2], 3)],
         "position": [lambda: model.step(tok, states, 3.0), lambda: model.step(tok, states, -1),
-                     lambda: model.step(tok, states, torch.tensor([3.0])), lambda: model.step(tok, states, torch.tensor([[3]])),
+                     lambda: model.step(tok, states, torch.tensor([3.0])),
+                     lambda: model.step(tok, states, torch.tensor([[3]])),
                      lambda: model.step(tok, states, torch.tensor([-3])), lambda: model.step(tok, states, True)],
         "state": [lambda: model.step(torch.tensor([4, 5]), states, 3)],  # a batch of 2 on states of 1
     }
@@ -144,7 +145,8 @@ def test_generate_refuses_malformed_inputs():
         "max_new_tokens": [lambda: model.generate(b"a", -1), lambda: model.generate(b"a", 2.0),
                            lambda: model.generate(b"a", True), lambda: model.generate(b"a", np.int64(2)),
                            lambda: model.generate(b"a", None)],
-        "temperature": [lambda: model.generate(b"a", 2, temperature=-1.0), lambda: model.generate(b"a", 2, temperature="1"),
+        "temperature": [lambda: model.generate(b"a", 2, temperature=-1.0),
+                        lambda: model.generate(b"a", 2, temperature="1"),
                         lambda: model.generate(b"a", 2, temperature=float("nan"))],
         "top_k": [lambda: model.generate(b"a", 2, top_k=0), lambda: model.generate(b"a", 2, top_k=1.0)],
         "compile": [lambda: model.generate(b"a", 2, compile=1)],

@@ -60,8 +60,8 @@ from ..checks import is_compiling
 from ..features import favor_exp_, favor_inputs, favor_projection
 from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
 
-__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "DOUBLE_BACKWARD", "PACKED_REASON", "checks_enabled",
-           "compute_dtypes", "segment_tokens"]
+__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
+           "compute_dtypes", "segment_tokens", "DOUBLE_BACKWARD"]
 
 CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
 STATE_BYTES = 4 << 30  # per-chunk states of one segment (float32), at most: 4 GiB
