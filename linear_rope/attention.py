@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_base, check_flag
+from .checks import check_base, check_flag, check_input
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState, rotary_linear_attention, rotary_linear_attention_step
 from .ops.utils import check_cu_seqlens, check_mask
 from .projections import HeadProjections, check_sizes
-from .rotary import apply_rotary, check_offset, token_positions
+from .rotary import apply_rotary, check_last_position, check_offset, token_positions
 
 __all__ = ["RotaryLinearAttention", "POSITIONS"]
 
@@ -119,6 +119,7 @@ class RotaryLinearAttention(HeadProjections):
     def _check(self, x, context, cu_seqlens, initial_state, output_final_state):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
             raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {getattr(x, 'shape', x)!r}")
+        check_input(x, "x", "[B, N, dim]", self.to_qkv.weight)
         if context is None:
             return
         if self.position != "none" or self.causal:
@@ -131,6 +132,7 @@ class RotaryLinearAttention(HeadProjections):
                 or context.shape[2] != x.shape[2] or context.shape[1] == 0:
             raise ValueError(f"context must have shape [B={x.shape[0]}, M, dim={x.shape[2]}], "
                              f"got {list(getattr(context, 'shape', []))}")
+        check_input(context, "context", "[B, M, dim]", self.to_qkv.weight)
         if cu_seqlens is not None or initial_state is not None or output_final_state:
             raise ValueError("context: cross-attention takes no cu_seqlens, initial_state or output_final_state")
 
@@ -171,12 +173,15 @@ class RotaryLinearAttention(HeadProjections):
         q, k, v = self._qkv(x, context)
         B, N = x.shape[:2]
         if self.position == "rope_pre":  # RoPE on q and k, at the positions the op would use
+            mask = None if mask is None else check_mask(mask, "mask", (B, N), x.device)
             if cu_seqlens is not None:
                 docs = check_cu_seqlens(cu_seqlens, B, N)
-                pos = token_positions(check_offset(offset, rows=len(docs)), N, mask, device=x.device, docs=docs)
+                off = check_offset(offset, rows=len(docs))
+                check_last_position(off, max(e - s for s, e in docs))
+                pos = token_positions(off, N, mask, device=x.device, docs=docs)
             else:
                 offset = check_offset(offset, rows=B)
-                mask = None if mask is None else check_mask(mask, "mask", (B, N))
+                check_last_position(offset, N)
                 pos = token_positions(offset, N, mask, device=x.device)
             pos = None if pos is None else pos[:, None]  # (B, 1, N): broadcast over heads
             q = apply_rotary(q, offset=offset if pos is None else 0, base=self.base, positions=pos)
@@ -210,6 +215,7 @@ class RotaryLinearAttention(HeadProjections):
         if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or not x_t.is_floating_point():
             raise ValueError(f"x_t must be a floating-point tensor [B, dim], got {getattr(x_t, 'dtype', type(x_t))} "
                              f"{list(getattr(x_t, 'shape', []))}")
+        check_input(x_t, "x_t", "[B, dim]", self.to_qkv.weight)
         position = check_offset(position, "position", rows=x_t.shape[0])
         q, k, v = (t[:, :, 0] for t in self._qkv(x_t.unsqueeze(1), None))  # (B, H, d)
         if self.position == "rope_pre":

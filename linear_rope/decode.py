@@ -36,7 +36,7 @@ from .attention import ROW_SUM_FLOOR
 from .checks import ID_DTYPES
 from .features import key_exponent_floor, pair_shift
 from .ops import LinearAttentionState
-from .rotary import check_offset, rotary_tables, table_dtype
+from .rotary import MAX_POSITION, check_offset, rotary_tables, table_dtype
 from .softmax_attention import KVCache
 
 __all__ = ["Decoder", "check_temperature", "sample_next"]
@@ -205,6 +205,11 @@ class Decoder:
         if isinstance(positions, int):
             positions = torch.full((self.B,), positions, dtype=torch.long, device=self.device)
         lo, hi = (int(v) for v in torch.aminmax(positions.to(self.device)))
+        if lo < 0 or hi > MAX_POSITION:  # (their one read: the range, here)
+            raise ValueError(f"positions must lie in [0, MAX_POSITION = 2**62 - 1], got {lo} .. {hi}")
+        if lo + self.max_len - 1 > MAX_POSITION:
+            raise ValueError(f"positions: from {lo}, max_len={self.max_len} runs to {lo + self.max_len - 1}, past "
+                             "MAX_POSITION = 2**62 - 1; start lower or build the Decoder with a smaller max_len")
         self.positions.copy_(positions)
         if self.softmax:
             n = states[0].k.shape[2] if key_columns is None else key_columns

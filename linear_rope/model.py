@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .attention import RotaryLinearAttention
-from .checks import ID_DTYPES, debug_checks, is_static
+from .checks import ID_DTYPES, check_flag, is_static, value_checks
 from .decode import Decoder, check_temperature, sample_next  # noqa: F401 (re-exported)
 from .features import FEATURE_KINDS, FavorFeatures
 from .ops import LinearAttentionState
@@ -216,13 +216,22 @@ class PerformerLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _check_ids(self, ids: torch.Tensor, name: str) -> None:
-        """With ``LINEAR_ROPE_CHECKS=1``: ValueError naming the ids outside [0, vocab_size). By
-        default nothing is read here (that is a host sync): ``_lookup`` gives such an id NaN
-        logits instead, and the trainer's data are bytes, checked against the vocabulary before
-        a run starts."""
+    def _check_ids(self, ids, name: str, dims: int) -> None:
+        """ids an integer tensor of ``dims`` dims (`[B, N]` with N >= 1, or `[B]`) on the model's
+        device; where ``checks.value_checks`` says (CPU tensors, or ``LINEAR_ROPE_CHECKS=1``),
+        ValueError naming the ids outside [0, vocab_size). Elsewhere nothing is read (on a GPU
+        that is a host sync): ``_lookup`` gives such an id NaN logits instead, and the trainer's
+        data are bytes, checked against the vocabulary before a run starts."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != dims or ids.dtype not in ID_DTYPES \
+                or (dims == 2 and ids.shape[1] == 0):
+            want = "[B, N] with N >= 1" if dims == 2 else "[B]"
+            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"{name} must be an integer tensor {want} (long, int32 or uint8), got {got}")
+        device = self.head.weight.device
+        if ids.device != device:
+            raise ValueError(f"{name} is on {ids.device}, the model on {device}")
         V = self.cfg.vocab_size
-        if ids.numel() == 0 or not debug_checks():
+        if ids.numel() == 0 or not value_checks(ids):
             return
         ids = ids.long()  # uint8 would wrap: ids >= 256 is ids >= 0 there
         out = (ids < 0) | (ids >= V)
@@ -246,8 +255,9 @@ class PerformerLM(nn.Module):
         """Token embeddings, plus the ``absolute`` table at ``positions`` `[B, N]` (None: 0..N-1).
 
         Positions 0..N-1, and those a mask gives (below N), fit the table when N <= seq_len, which
-        is checked on the host; other positions are read (a host sync) only when N > seq_len or
-        with ``LINEAR_ROPE_CHECKS=1``, else a position past the table gives NaN (``_lookup``)."""
+        is checked on the host; other positions are read where ``checks.value_checks`` says, or
+        (a host sync on a GPU) when N > seq_len, else a position past the table gives NaN
+        (``_lookup``)."""
         x = self._lookup(self.tok_emb, ids)
         if self.pos_emb is not None:
             L = self.cfg.seq_len
@@ -255,7 +265,7 @@ class PerformerLM(nn.Module):
                 if ids.shape[1] > L:
                     raise ValueError(f"ids: position {ids.shape[1] - 1} is past the absolute table of seq_len={L}")
                 positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            elif positions.numel() and (debug_checks() or (ids.shape[1] > L and not is_static())) \
+            elif positions.numel() and (value_checks(ids) or (ids.shape[1] > L and not is_static())) \
                     and int(positions.max()) >= L:
                 raise ValueError(f"ids: position {int(positions.max())} is past the absolute table of seq_len={L}")
             x = x + self._lookup(self.pos_emb, positions)
@@ -267,13 +277,14 @@ class PerformerLM(nn.Module):
         ``mask`` `[B, N]` bool (True = real token) lets rows of different lengths share a batch,
         padded on the left or the right: each row's real tokens get the logits they get alone.
         With ``output_final_state`` also the per-layer recurrent states after the last token
-        (for ``step``; with a mask, the next position of row b is ``mask[b].sum()``).
+        (for ``step``; with a mask, the next position of row b is ``mask[b].sum()``). B = 0 gives
+        empty logits. An id outside [0, vocab_size) is a ValueError where the value checks run
+        (CPU tensors: ``checks.value_checks``), NaN logits elsewhere (no device sync).
         """
-        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in ID_DTYPES:
-            raise ValueError(f"ids must be an integer tensor [B, N] with N >= 1, got {ids.dtype} {tuple(ids.shape)}")
-        self._check_ids(ids, "ids")
+        self._check_ids(ids, "ids", 2)
+        check_flag("output_final_state", output_final_state)
         if mask is not None:
-            mask = check_mask(mask, "mask", tuple(ids.shape))
+            mask = check_mask(mask, "mask", tuple(ids.shape), ids.device)
         x = self._embed(ids.long(), None if mask is None else token_positions(0, ids.shape[1], mask))
         states = []
         for block in self.blocks:
@@ -286,14 +297,11 @@ class PerformerLM(nn.Module):
         """One token `[B]` at ``position`` (an int, or a LongTensor `[B]` per row) -> (logits
         `[B, vocab]`, new states); O(1) in the context. ``states`` holds one state per layer
         (as ``forward(..., output_final_state=True)`` returns them)."""
-        if not isinstance(token, torch.Tensor) or token.dim() != 1 or token.dtype not in ID_DTYPES:
-            raise ValueError(f"token must be an integer tensor [B], got {getattr(token, 'dtype', type(token).__name__)} "
-                             f"{list(getattr(token, 'shape', []))}")
+        self._check_ids(token, "token", 1)
         listed = isinstance(states, (list, tuple)) and not isinstance(states, LinearAttentionState)
         if not listed or len(states) != len(self.blocks) or not all(s is None or isinstance(s, tuple) for s in states):
             got = f"{len(states)} states" if listed else type(states).__name__
             raise ValueError(f"states: one state per layer is needed ({len(self.blocks)}), got {got}")
-        self._check_ids(token, "token")
         position = check_offset(position, "position", rows=token.shape[0])
         pos = None
         if self.pos_emb is not None:  # only the absolute table reads positions here
@@ -343,6 +351,10 @@ class PerformerLM(nn.Module):
         if generator is not None and generator.device.type != device.type:
             raise ValueError(f"generator: it is on {generator.device}, the model on {device}; "
                              f"create it with torch.Generator(device={str(device)!r})")
+        V = self.cfg.vocab_size
+        top = max(max(p) for p in prompts)
+        if top >= V:  # bytes are read on the host: no device sync
+            raise ValueError(f"prompt: byte {top} is outside the vocabulary [0, vocab_size={V})")
         longest = max(len(p) for p in prompts)
         if self.pos_emb is not None and longest + max_new_tokens > self.cfg.seq_len + 1:
             raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.cfg.seq_len}")

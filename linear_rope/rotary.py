@@ -13,7 +13,10 @@ Positions are integers, at most ``MAX_POSITION`` = 2**62 - 1 (a ValueError beyon
 ``p * theta_i`` is reduced modulo 2 pi exactly before its cos and sin are taken
 (``rope_turns``): a float64 product alone is off by ``p * 2**-53`` radians (a whole radian
 at p = 2**53), so every position up to the bound gets its angle to about 1e-15 radians, as
-position 0 does. The cos/sin tables are kept in float32 or wider whatever the input dtype.
+position 0 does. A position beyond the bound that no check read (a tensor's values on the
+GPU's rule, see ``checks.value_checks``; an offset plus a length that wrapped past 2**63) gets
+NaN angles, never the angle of another position. The cos/sin tables are kept in float32 or
+wider whatever the input dtype.
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from fractions import Fraction
 
 import torch
 
-from .checks import check_base, debug_checks, is_static, values
+from .checks import check_base, is_static, value_checks, values
 
-__all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "token_positions", "MAX_POSITION",
+__all__ = ["rotary_tables", "apply_rotary", "rotate_with_tables", "check_offset", "check_positions", "token_positions",
+           "MAX_POSITION",
            "rope_thetas", "rope_turns", "check_last_position"]
 
 MAX_POSITION = 2**62 - 1  # the largest position: offset + N stays in int64, angles stay exact
@@ -54,10 +58,14 @@ def _turn_limbs(dim: int, base: float) -> tuple[tuple[tuple[float, ...], ...], .
     return a, b
 
 
-@torch.compiler.assume_constant_result
 def _limbs(dim: int, base: float):
     """``_turn_limbs``, which torch.compile takes as the constant it is (no tracing of Fractions)."""
     return _turn_limbs(dim, base)
+
+
+# What ``@torch.compiler.assume_constant_result`` sets, without importing ``torch._dynamo`` (a
+# second of ``import linear_rope``) to set it; tests/test_package.py checks the decorator still does.
+_limbs._dynamo_marked_constant = True
 
 
 _LIMB_TENSORS: dict = {}  # (dim, base, device) -> (a, b) on that device, made once
@@ -80,9 +88,12 @@ def _limb_tensors(dim: int, base: float, device: torch.device) -> tuple[torch.Te
     return got
 
 
-def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+def rope_turns(positions: torch.Tensor, dim: int, base: float, in_range: bool = False) -> torch.Tensor:
     """frac(p * theta_i / 2 pi) `[..., dim / 2]` in float64 for integer positions `[...]`, within
-    about 2**-51 turns of the exact value for every |p| < 2**63.
+    about 2**-51 turns of the exact value for every |p| <= MAX_POSITION; NaN for the others
+    (|p| >= 2**62: among them what an int64 sum that wrapped past 2**63 leaves, and -2**63,
+    whose magnitude int64 cannot hold). ``in_range``: the caller knows every |p| <= MAX_POSITION
+    (no pass to look).
 
     p = sum_j P_j 2**21j (three signed 21-bit limbs) and frac(theta / 2 pi) = sum_k c_k 2**-21k.
     P_j 2**21j times c_k is a whole number of turns for k <= j; what is left of limb j is
@@ -99,23 +110,32 @@ def rope_turns(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
     turns -= turns.floor()
     turns = torch.addmm(turns, limbs, b)
     turns -= turns.floor()
+    if not in_range:  # |p| > MAX_POSITION (and -2**63, whose mag is < 0)
+        turns = turns.masked_fill((mag >> 62) != 0, float("nan"))
     return turns.view(*positions.shape, dim // 2)
 
 
-def check_offset(offset, name: str = "offset", rows: int | None = None):
+def _shown(vals: torch.Tensor) -> str:
+    vals = vals.tolist()
+    return str(vals) if len(vals) <= 8 else f"[{', '.join(map(str, vals[:8]))}, ...]"
+
+
+def check_offset(offset, name: str = "offset", rows: int | None = None, read: bool | None = None):
     """An int in [0, MAX_POSITION], or (when ``rows`` is given) also an integer tensor `[rows]`
-    of per-row values (returned as long). A tensor's values are read (a host sync) only with
-    ``LINEAR_ROPE_CHECKS=1``: a position out of range gets a well-defined angle anyway (every
-    ``|p| < 2**63`` is reduced exactly), it indexes nothing."""
+    of per-row values (returned as long). A tensor's values are read where ``read`` says (None:
+    ``checks.value_checks``, i.e. on CPU tensors, or everywhere with ``LINEAR_ROPE_CHECKS=1``);
+    unread, a negative position gets its exact angle and one past ``MAX_POSITION`` NaN angles
+    (``rope_turns``), never another position's."""
     if isinstance(offset, torch.Tensor) and rows is not None:
         if offset.dtype not in (torch.int32, torch.int64) or offset.shape != (rows,):
             raise ValueError(f"{name} must be an int or an integer tensor [{rows}], got "
                              f"{offset.dtype} {tuple(offset.shape)}")
         if offset.device.type == "meta":
             raise ValueError(f"{name}: a meta tensor has no values to read")
-        vals = values(offset)
-        if debug_checks() and vals.numel() and not (bool((vals >= 0).all()) and bool((vals <= MAX_POSITION).all())):
-            raise ValueError(f"{name} must lie in [0, MAX_POSITION = 2**62 - 1], got {vals.tolist()}")
+        if value_checks(offset) if read is None else read:
+            vals = values(offset)
+            if vals.numel() and not bool(((vals >= 0) & (vals <= MAX_POSITION)).all()):
+                raise ValueError(f"{name} must lie in [0, MAX_POSITION = 2**62 - 1], got {_shown(vals)}")
         return offset.long()
     if isinstance(offset, bool) or not isinstance(offset, int):
         kind = "an int or an integer tensor [B]" if rows is not None else "a non-negative int"
@@ -128,15 +148,31 @@ def check_offset(offset, name: str = "offset", rows: int | None = None):
     return offset
 
 
-def check_last_position(offset, n: int, name: str = "offset") -> None:
+def check_last_position(offset, n: int, name: str = "offset", read: bool | None = None) -> None:
     """ValueError where positions ``offset .. offset + n - 1`` (per row, for a tensor offset
-    already checked, with ``LINEAR_ROPE_CHECKS=1`` only: see ``check_offset``) run past ``MAX_POSITION``."""
-    if n <= 0 or not (isinstance(offset, int) or debug_checks()):
+    already checked, where ``read`` says: see ``check_offset``) run past ``MAX_POSITION``."""
+    if n <= 0 or not (isinstance(offset, int) or (value_checks(offset) if read is None else read)):
         return
     top = offset if isinstance(offset, int) else (int(values(offset).max()) if offset.numel() else 0)
     if top + n - 1 > MAX_POSITION:
         raise ValueError(f"{name}: positions run to {top} + {n - 1} = {top + n - 1}, past MAX_POSITION = 2**62 - 1, "
                          "the largest position whose RoPE angle is formed exactly")
+
+
+def check_positions(positions, name: str = "positions") -> None:
+    """Explicit positions: an integer tensor whose every value ``p`` has ``|p| <= MAX_POSITION``
+    (read where ``checks.value_checks`` says; unread, one beyond gets NaN angles)."""
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex() \
+            or positions.dtype in (torch.bool, torch.uint64):  # (uint64 past 2**63 would wrap in int64)
+        got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"{name} must be an integer tensor of int64 or narrower, got {got}")
+    if not positions.numel() or not value_checks(positions):
+        return
+    vals = values(positions).long()
+    bad = (vals > MAX_POSITION) | (vals < -MAX_POSITION)
+    if bool(bad.any()):
+        raise ValueError(f"{name}: {_shown(vals[bad])} past MAX_POSITION = 2**62 - 1 in magnitude, the largest "
+                         "position whose RoPE angle is formed exactly")
 
 
 def token_positions(offset, n: int, mask: torch.Tensor | None = None, device=None,
@@ -197,10 +233,9 @@ def rotary_tables(
         check_last_position(offset, n)
         pos = torch.arange(offset, offset + n, dtype=torch.long, device=device)
     else:
-        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-            raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
+        check_positions(positions)
         pos = positions
-    angle = rope_turns(pos, dim, base) * (2 * torch.pi)  # (..., n, dim/2) in [0, 2 pi)
+    angle = rope_turns(pos, dim, base, in_range=positions is None) * (2 * torch.pi)  # (..., n, dim/2) in [0, 2 pi)
     tdt = table_dtype(dtype)
     return angle.cos().to(tdt), angle.sin().to(tdt)
 

@@ -262,10 +262,14 @@ def test_bad_state():
 
 def test_bad_positions_and_cross_attention(monkeypatch):
     q, k, v, _ = _small()
-    fast(q, k, v, offset=torch.tensor([1, -1]))  # a tensor's values are not read (a host sync) ...
+    with pytest.raises(ValueError, match="offset"):  # a CPU tensor's values are read: no device sync there
+        fast(q, k, v, offset=torch.tensor([1, -1]))
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", "parallel")  # the GPU's path: not read (a host sync) ...
+    fast(q, k, v, offset=torch.tensor([1, -1]))
     monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")  # ... unless asked
     with pytest.raises(ValueError, match="offset"):
         fast(q, k, v, offset=torch.tensor([1, -1]))
+    monkeypatch.delenv("LINEAR_ROPE_BACKEND")
     with pytest.raises(ValueError, match="offset"):
         fast(q, k, v, offset=torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="position"):

@@ -3,8 +3,12 @@ padding, packed documents of very different scales, huge positions, NaN hyperpar
 states, a compiled overflow, bools where numbers or flags belong, keywords that would do
 nothing, and the crashes that used to come out of torch instead of one clear error. Each is
 checked against the float64 reference (``naive``) or against the same call without the hostile
-part, outputs and gradients."""
+part, outputs and gradients, on the torch and the chunk-parallel backends (``auto`` takes the
+torch path on a CPU). A check that reads tensor values runs on the chunk-parallel path (the
+GPU's, whose reads would make the GPU wait) with ``LINEAR_ROPE_CHECKS=1`` only; what that path
+does without it, as documented, is tested too."""
 import math
+import re
 
 import pytest
 import torch
@@ -27,6 +31,40 @@ from linear_rope.rotary import MAX_POSITION
 from linear_rope.softmax_attention import SoftmaxAttention
 
 F64 = dict(dtype=torch.float64)
+BACKENDS = ["torch", "parallel"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Every call of the test on this backend, with the value checks as it has them by default."""
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", request.param)
+    monkeypatch.delenv("LINEAR_ROPE_CHECKS", raising=False)
+    return request.param
+
+
+@pytest.fixture(params=BACKENDS)
+def checked(request, monkeypatch):
+    """For a check that reads tensor values: each backend with that check on (the chunk-parallel
+    path: ``LINEAR_ROPE_CHECKS=1``)."""
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", request.param)
+    if request.param == "parallel":
+        monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")
+    else:
+        monkeypatch.delenv("LINEAR_ROPE_CHECKS", raising=False)
+    return request.param
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """The chunk-parallel path as the GPU has it by default: no value read."""
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", "parallel")
+    monkeypatch.delenv("LINEAR_ROPE_CHECKS", raising=False)
+
+
+def one_line(err) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    return msg
 H, D, M, E = 2, 6, 8, 5
 MODES = [pytest.param(True, id="causal"), pytest.param(False, id="bidir")]
 INPUTS = [pytest.param(False, id="features"), pytest.param(True, id="favor")]
@@ -168,10 +206,12 @@ FILLS = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="in
 
 @pytest.mark.parametrize("fill", FILLS)
 @pytest.mark.parametrize("favor", INPUTS)
-@pytest.mark.parametrize("path", list(PATHS))
-def test_padding_is_selected_never_multiplied(path, favor, fill):
+@pytest.mark.parametrize("path, backend_name", [(p, b) for p in PATHS for b in (BACKENDS if PATHS[p][0] is fast
+                                                                                else BACKENDS[:1])])
+def test_padding_is_selected_never_multiplied(path, backend_name, favor, fill, monkeypatch):
     """NaN, inf or huge values in masked positions of q, k, v leave the outputs, the final state
     and every gradient exactly (bit for bit) what they are with zeros there."""
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", backend_name)
     op, causal, rotary = PATHS[path]
     N = 23
     q, k, v, w = make(2, N, favor, seed=5)
@@ -202,7 +242,7 @@ def test_padding_is_selected_never_multiplied(path, favor, fill):
 # --- the feature scale is normalised per packed document and per row ---------------------------
 
 @pytest.mark.parametrize("causal", MODES)
-def test_packed_documents_of_very_different_scales_each_get_what_they_get_alone(causal):
+def test_packed_documents_of_very_different_scales_each_get_what_they_get_alone(causal, backend):
     """Keys x1e-30 in one packed document and x1e30 in the next (float32): each document's output
     and final state are what it gets alone (document 0 used to come out all zeros)."""
     lengths, scales = [3, 2, 6], [1e-30, 1e30, 1.0]
@@ -221,7 +261,7 @@ def test_packed_documents_of_very_different_scales_each_get_what_they_get_alone(
         torch.testing.assert_close(st.z[d : d + 1].double(), ref_st.z, rtol=1e-5, atol=0)
 
 
-def test_batch_rows_of_very_different_scales_each_get_what_they_get_alone():
+def test_batch_rows_of_very_different_scales_each_get_what_they_get_alone(backend):
     q, k, v, _ = make(2, 17, False, seed=6)
     k[0] *= 1e-30
     k[1] *= 1e30
@@ -240,7 +280,7 @@ BIG = [pytest.param(2**53 + 1, id="2^53+1"), pytest.param(2**61 + 12345, id="2^6
 
 @pytest.mark.parametrize("offset", BIG)
 @pytest.mark.parametrize("causal", MODES)
-def test_huge_offsets_keep_float64_accuracy(causal, offset):
+def test_huge_offsets_keep_float64_accuracy(causal, offset, backend):
     """At any offset up to MAX_POSITION the op matches the reference to 1e-10 (offset 2**53 + 1
     used to be off by 33%), and, with no state, equals itself at offset 0: Eq. 19 then depends on
     relative positions only. The second check holds the reference to the same standard."""
@@ -254,7 +294,7 @@ def test_huge_offsets_keep_float64_accuracy(causal, offset):
     close(per_row, at0)
 
 
-def test_huge_positions_in_the_step_and_apply_rotary():
+def test_huge_positions_in_the_step_and_apply_rotary(backend):
     q, k, v, w = make(2, 6, True, seed=2)
     p = 2**53 + 1
     full, st = fast(q, k, v, projection=w, offset=p, output_final_state=True)
@@ -267,25 +307,41 @@ def test_huge_positions_in_the_step_and_apply_rotary():
 
 
 @pytest.mark.parametrize("bad", [2**62, 2**63, 2**64], ids=["2^62", "2^63", "2^64"])
-def test_positions_past_the_bound_are_one_clear_error(bad, monkeypatch):
+def test_positions_past_the_bound_are_one_clear_error(bad, checked):
     q, k, v, _ = make(2, 5, False)
+    layer = RotaryLinearAttention(8, heads=2, dim_head=4)
     for call in (lambda: fast(q, k, v, offset=bad), lambda: naive(q, k, v, offset=bad),
+                 lambda: fast(q, k, v, offset=bad, causal=False),
                  lambda: step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, bad),
-                 lambda: apply_rotary(q, offset=bad)):
-        with pytest.raises(ValueError, match="MAX_POSITION"):
+                 lambda: apply_rotary(q, offset=bad), lambda: layer(torch.randn(2, 5, 8), offset=bad)):
+        with pytest.raises(ValueError, match="MAX_POSITION") as err:
             call()
+        one_line(err)
     with pytest.raises(ValueError, match="MAX_POSITION"):  # the last token past it
         fast(q, k, v, offset=MAX_POSITION - 2)
-    monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")  # a tensor's values are read (a host sync) only then
-    with pytest.raises(ValueError, match="MAX_POSITION"):
-        fast(q, k, v, offset=torch.tensor([0, 2**62]))
+    if bad < 2**63:  # a tensor's values: read on a CPU, and on the chunk-parallel path with LINEAR_ROPE_CHECKS=1
+        for causal in (True, False):
+            with pytest.raises(ValueError, match="MAX_POSITION"):
+                fast(q, k, v, offset=torch.tensor([0, bad]), causal=causal)
+            with pytest.raises(ValueError, match="MAX_POSITION"):  # the last token past it
+                fast(q, k, v, offset=torch.tensor([0, MAX_POSITION - 2]), causal=causal)
     fast(q, k, v, offset=MAX_POSITION - 4)  # the last token at the bound is fine
+    fast(q, k, v, offset=torch.tensor([0, MAX_POSITION - 4]))
+
+
+def test_unchecked_positions_past_the_bound_are_nan(unchecked):
+    """Without LINEAR_ROPE_CHECKS the chunk-parallel path reads no offset: a token past the
+    bound gets NaN (the tokens before it their exact values), as documented."""
+    q, k, v, _ = make(2, 5, False)
+    out = fast(q, k, v, offset=torch.tensor([0, MAX_POSITION - 2]))
+    assert out[1, :, 3:].isnan().all() and not out[1, :, :3].isnan().any() and not out[0].isnan().any()
+    close(out[:, :, :3], naive(q, k, v)[:, :, :3])
 
 
 # --- hyperparameters, states and flags: refused up front ----------------------------------------
 
 @pytest.mark.parametrize("base", [float("nan"), float("inf"), 0.0, -2.0, True, "1e4"], ids=str)
-def test_a_bad_rope_base_is_refused_everywhere(base):
+def test_a_bad_rope_base_is_refused_everywhere(base, backend):
     q, k, v, _ = make(1, 4, False)
     calls = [lambda: fast(q, k, v, base=base), lambda: naive(q, k, v, base=base),
              lambda: step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, 0, base=base),
@@ -300,7 +356,7 @@ def test_a_bad_rope_base_is_refused_everywhere(base):
 
 @pytest.mark.parametrize("where", ["S", "z"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_a_non_finite_initial_state_is_refused(value, where):
+def test_a_non_finite_initial_state_is_refused(value, where, checked):
     """A NaN in initial_state.z used to make the denominator NaN, which the guard then took for 0:
     a finite output from a NaN state, in the reference too."""
     q, k, v, w = make(2, 6, False)
@@ -313,10 +369,31 @@ def test_a_non_finite_initial_state_is_refused(value, where):
             call()
     with pytest.raises(ValueError, match="^state: S and z must be finite"):
         step(q[:, :, 0], k[:, :, 0], v[:, :, 0], st, 0)
+    torch.manual_seed(0)
+    layer = RotaryLinearAttention(8, heads=2, dim_head=4, nb_features=M)
+    with pytest.raises(ValueError, match="initial_state: S and z must be finite"):
+        layer(torch.randn(2, 6, 8), initial_state=LinearAttentionState(S0[:, :, :, :4], z0))
+
+
+def test_unchecked_value_errors_give_nan_or_what_the_values_give(unchecked):
+    """The chunk-parallel path without LINEAR_ROPE_CHECKS, as documented: a NaN state, a NaN
+    projection give NaN outputs; negative features give Eq. 19 of those features (what
+    allow_negative=True gives); an overflowing key sum gives z = inf. No error, no sync."""
+    q, k, v, w = make(2, 6, True)
+    qf, kf, vf, _ = make(2, 6, False)
+    S0, z0 = state(2)
+    z0[1, 0, 2] = float("nan")
+    out = fast(qf, kf, vf, initial_state=LinearAttentionState(S0, z0))
+    assert out[1, 0].isnan().all() and not out[0].isnan().any()
+    assert fast(q, k, v, projection=w.clone().fill_(float("nan"))).isnan().all()
+    close(fast(qf, kf - 0.5, vf), naive(qf, kf - 0.5, vf, allow_negative=True))
+    big = (kf / kf.max() * 3e38).float()
+    _, st = fast(qf.float(), big, vf.float(), output_final_state=True)
+    assert torch.isinf(st.z).any()
 
 
 @pytest.mark.parametrize("causal", MODES)
-def test_a_nan_denominator_stays_nan(causal):
+def test_a_nan_denominator_stays_nan(causal, backend):
     """The guard divides by 1 where the denominator is <= 0, never where it is NaN: a NaN in a real
     key gives NaN outputs wherever it is seen, as in the reference (the recurrent path, which
     returns a state at every token, refuses the non-finite state instead)."""
@@ -329,7 +406,7 @@ def test_a_nan_denominator_stays_nan(causal):
         recurrent(q, k, v)
 
 
-def test_a_compiled_call_refuses_an_overflowing_state_as_eager_does():
+def test_a_compiled_call_refuses_an_overflowing_state_as_eager_does(checked):
     """k * 3e38 with output_final_state: eager raises; compiled code used to return z = inf. It
     raises the same message now (torch._assert_async: a RuntimeError when the graph runs)."""
     q, k, v, _ = (None if t is None else t.float() for t in make(1, 40, False))
@@ -346,7 +423,7 @@ def test_a_compiled_call_refuses_an_overflowing_state_as_eager_does():
 
 @pytest.mark.parametrize("flag", ["causal", "rotary", "output_final_state", "allow_negative"])
 @pytest.mark.parametrize("value", [1, 0, "yes", None, torch.tensor(True)], ids=["1", "0", "str", "None", "tensor"])
-def test_flags_must_be_bools(flag, value):
+def test_flags_must_be_bools(flag, value, backend):
     q, k, v, _ = make(1, 4, False)
     with pytest.raises(ValueError, match=f"{flag} must be True or False"):
         fast(q, k, v, **{flag: value})
@@ -354,7 +431,7 @@ def test_flags_must_be_bools(flag, value):
         naive(q, k, v, **{flag: value})
 
 
-def test_bools_are_not_tokens_positions_or_inputs():
+def test_bools_are_not_tokens_positions_or_inputs(backend):
     torch.manual_seed(0)
     lm = PerformerLM(ModelConfig(**MODEL_PRESETS["tiny"]))
     _, states = lm(torch.tensor([[1, 2, 3]]), output_final_state=True)
@@ -374,7 +451,7 @@ def test_bools_are_not_tokens_positions_or_inputs():
 
 # --- a keyword that would do nothing is refused, not dropped ------------------------------------
 
-def test_keywords_without_effect_are_refused(monkeypatch):
+def test_keywords_without_effect_are_refused(backend):
     q, k, v, w = make(1, 6, True)
     qf, kf, vf, _ = make(1, 6, False)
     cases = {
@@ -398,6 +475,89 @@ def test_keywords_without_effect_are_refused(monkeypatch):
     close(fast(qf, kf, vf, chunk_size=2, block_size=4), naive(qf, kf, vf))
 
 
+# --- every documented check, on every backend, for the calls that reach it ----------------------
+
+def _misuse():
+    """(argument named, call, what the message says) for every check of the op's shapes, types
+    and host-side values: none reads a tensor's values, so they hold on every backend."""
+    q, k, v, w = make(2, 5, True)
+    qf, kf, vf, _ = make(2, 5, False)
+    S0, z0 = state(2)
+    st = LinearAttentionState(S0, z0)
+    one = [t[:1] for t in (qf, kf, vf)]
+    cu = lambda c, **kw: fast(*one, cu_seqlens=torch.tensor(c, dtype=torch.int32), **kw)  # noqa: E731
+    layer = RotaryLinearAttention(8, heads=2, dim_head=4, nb_features=M)
+    x = torch.randn(2, 5, 8)
+    return [
+        ("q", lambda: fast(qf.long(), kf, vf), "floating-point"),
+        ("q", lambda: fast(qf[0], kf[0], vf[0]), r"\[B, H, N, \.\]"),
+        ("k", lambda: fast(qf, kf[:, :1], vf), "must have shape"),
+        ("v", lambda: fast(qf, kf, vf[:, :, :3]), "must have shape"),
+        ("q, k, v", lambda: fast(qf, kf.float(), vf), "share a dtype"),
+        ("q", lambda: fast(qf[..., :5], kf[..., :5], vf), "even number of features"),
+        ("projection", lambda: fast(q, k, v, projection=w[:, :3]), r"\[m, d=6\]"),
+        ("projection", lambda: fast(q[..., :5], k[..., :5], v, projection=w[:5, :5]), "even number"),
+        ("mask", lambda: fast(qf, kf, vf, mask=torch.ones(2, 4, dtype=torch.bool)), r"shape \[2, 5\]"),
+        ("mask", lambda: fast(qf, kf, vf, mask=torch.ones(2, 5)), "bool tensor"),
+        ("mask", lambda: fast(qf, kf, vf, mask=torch.ones(2, 5, dtype=torch.bool, device="meta")), "is on meta"),
+        ("mask", lambda: layer(x, mask=torch.ones(2, 5, dtype=torch.long)), "bool tensor"),
+        ("key_mask", lambda: fast(qf, kf, vf, key_mask=torch.ones(2, 5, dtype=torch.bool)), "cross-attention"),
+        ("initial_state", lambda: fast(qf, kf, vf, initial_state=S0), "LinearAttentionState"),
+        ("initial_state", lambda: fast(qf, kf, vf, initial_state=(S0[..., :3], z0)), r"want S \[2, 2, 8, 5\]"),
+        ("initial_state", lambda: fast(qf, kf, vf, initial_state=(S0.long(), z0.long())), "floating point"),
+        ("initial_state", lambda: fast(qf, kf, vf, initial_state=(S0.to("meta"), z0.to("meta"))), "is on meta"),
+        ("initial_state", lambda: layer(x, initial_state=st), r"want S \[2, 2, 8, 4\]"),
+        ("state", lambda: step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], (S0[:1], z0[:1]), 0), "do not match"),
+        ("cu_seqlens", lambda: cu([0, 3, 2, 5]), "never decrease"),
+        ("cu_seqlens", lambda: cu([0, 3, 4]), "end at T=5"),
+        ("cu_seqlens", lambda: cu([1, 3, 5]), "start at 0"),
+        ("cu_seqlens", lambda: fast(*one, cu_seqlens=torch.tensor([0.0, 5.0])), "int32"),
+        ("cu_seqlens", lambda: fast(qf, kf, vf, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)), "one row"),
+        ("cu_seqlens", lambda: layer(x[:1], cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)), "end at T=5"),
+        ("offset", lambda: fast(qf, kf, vf, offset=1.5), "an int or an integer tensor"),
+        ("offset", lambda: fast(qf, kf, vf, offset=-1), "non-negative"),
+        ("offset", lambda: fast(qf, kf, vf, offset=torch.tensor([0, 1, 2])), r"integer tensor \[2\]"),
+        ("offset", lambda: cu([0, 2, 5], offset=torch.tensor([0])), r"integer tensor \[2\]"),
+        ("position", lambda: step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], None, torch.tensor([0.5, 1.0])), "integer"),
+        ("base", lambda: fast(qf, kf, vf, base=float("nan")), "finite number > 0"),
+        ("chunk_size", lambda: fast(qf, kf, vf, chunk_size=0), "positive int"),
+        ("block_size", lambda: fast(qf, kf, vf, block_size=2.0), "positive int"),
+        ("chunk_size", lambda: fast(qf, kf, vf, causal=False, chunk_size=4), "no effect"),
+        ("offset", lambda: fast(qf, kf, vf, rotary=False, offset=2), "no effect"),
+        ("allow_negative", lambda: fast(q, k, v, projection=w, allow_negative=True), "no effect"),
+        ("causal", lambda: fast(qf, kf, vf, causal=1), "True or False"),
+        ("q_t", lambda: step(qf, kf, vf, None, 0), "one token"),
+    ]
+
+
+def test_every_shape_and_type_check_holds_on_every_backend(backend):
+    for name, call, says in _misuse():
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = one_line(err)
+        assert msg.startswith(name) and re.search(says, msg), (name, says, msg)
+
+
+def test_negative_features_are_refused_unless_allowed(checked):
+    """features >= 0 (a value check): the op causal and bidirectional, masked padding never
+    read, the step, the layer's elu / relu inputs are non-negative by construction."""
+    q, k, v, _ = make(2, 5, False)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 0] = False
+    for name, call in (("q", lambda: fast(q - 1.0, k, v)), ("k", lambda: fast(q, k - 1.0, v, causal=False)),
+                       ("q_t", lambda: step(q[:, :, 0] - 1.0, k[:, :, 0], v[:, :, 0], None, 0)),
+                       ("q", lambda: fast(q - 1.0, k, v, mask=mask))):
+        with pytest.raises(ValueError, match="features must be non-negative.*allow_negative=True") as err:
+            call()
+        assert one_line(err).startswith(("q", "k"))
+    qp = q.clone()
+    qp[0, :, 0] = -5.0  # a padded token: never read
+    close(fast(qp, k, v, mask=mask), naive(q, k, v, mask=mask))
+    for causal in (True, False):
+        close(fast(q - 0.01, k, v, allow_negative=True, causal=causal),
+              naive(q - 0.01, k, v, allow_negative=True, causal=causal))
+
+
 def test_chunk_sizes_where_the_triton_kernels_are_forced(monkeypatch):
     """With LINEAR_ROPE_BACKEND=triton the kernels pick their own chunk: chunk_size / block_size
     would do nothing there and are refused (on "auto" they keep the call on the torch path)."""
@@ -415,7 +575,7 @@ def test_chunk_sizes_where_the_triton_kernels_are_forced(monkeypatch):
 
 # --- the crashes that used to come from inside torch --------------------------------------------
 
-def test_clear_errors_instead_of_internal_crashes():
+def test_clear_errors_instead_of_internal_crashes(checked):
     q, k, v, w = make(2, 5, True)
     with pytest.raises(ValueError, match="projection has 0 rows"):
         fast(q, k, v, projection=w[:0])
@@ -440,7 +600,7 @@ def test_clear_errors_instead_of_internal_crashes():
 # --- no tokens: N = 0 and empty packed documents ------------------------------------------------
 
 @pytest.mark.parametrize("causal", MODES)
-def test_no_tokens_pass_the_state_through(causal):
+def test_no_tokens_pass_the_state_through(causal, backend):
     q, k, v, _ = make(2, 0, False)
     S0, z0 = (t.requires_grad_() for t in state(2))
     out, (S, z) = fast(q, k, v, causal=causal, initial_state=LinearAttentionState(S0, z0), output_final_state=True)
@@ -453,7 +613,7 @@ def test_no_tokens_pass_the_state_through(causal):
 
 
 @pytest.mark.parametrize("path", ["chunk", "bidirectional", "recurrent"])
-def test_empty_packed_documents_keep_their_state(path):
+def test_empty_packed_documents_keep_their_state(path, backend):
     op = recurrent if path == "recurrent" else fast
     causal = path != "bidirectional"
     q, k, v, _ = make(1, 10, False, seed=3)

@@ -47,6 +47,34 @@ def test_public_names_are_importable():
     assert all(hasattr(linear_rope, name) for name in linear_rope.__all__)
 
 
+def test_import_loads_neither_the_compiler_nor_an_extra():
+    """``import linear_rope`` costs about what ``import torch`` does: no ``torch._dynamo`` (a
+    second on a 2-core box), no Inductor or sympy, and none of the extras (triton, transformers,
+    fla), even where they are installed. A fresh interpreter, run from the checkout's root."""
+    code = ("import sys, linear_rope; roots = ('torch._dynamo', 'torch._inductor', 'sympy', 'triton', "
+            "'transformers', 'fla'); bad = sorted(m for m in sys.modules if m.split('.')[0] in roots or "
+            "any(m == r or m.startswith(r + '.') for r in roots)); print(linear_rope.__file__); assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert Path(res.stdout.strip()).resolve() == ROOT / "linear_rope" / "__init__.py"
+
+
+def test_rope_limbs_carry_what_assume_constant_result_marks():
+    """``rotary._limbs`` is marked a constant for ``torch.compile`` by hand (the decorator imports
+    ``torch._dynamo``): it must carry every attribute the decorator sets, with the same value."""
+    import torch
+
+    from linear_rope import rotary
+
+    def probe():
+        return 0
+
+    marked = torch.compiler.assume_constant_result(probe)
+    attrs = dict(vars(marked))
+    assert attrs, "assume_constant_result no longer marks the function: update rotary._limbs"
+    assert {k: getattr(rotary._limbs, k, None) for k in attrs} == attrs
+
+
 # --- the wheel, as a user installs it ---------------------------------------------------------
 
 # Copied to a temporary folder before building: setuptools builds in <source>/build/, and the

@@ -103,12 +103,24 @@ def test_limb_tables_are_made_once_per_device_and_equal_fresh_ones(monkeypatch):
     assert torch.equal(rotary.rope_turns(pos, 18, 777.0), first) and len(made) == 2
 
 
-def test_tensor_offsets_are_range_checked_only_with_linear_rope_checks(monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", "auto", "parallel"])
+def test_tensor_offsets_are_range_checked_where_value_checks_run(monkeypatch, backend):
+    """A CPU tensor's values are read by default (no device sync there); with
+    LINEAR_ROPE_BACKEND=parallel, which stands for the GPU's path, only with LINEAR_ROPE_CHECKS=1."""
     from linear_rope.rotary import check_offset
 
     bad = torch.tensor([0, -3])
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", backend)
     monkeypatch.delenv("LINEAR_ROPE_CHECKS", raising=False)
-    assert torch.equal(check_offset(bad, rows=2), bad)  # no value read: no host sync
+    msg = r"offset must lie in \[0, MAX_POSITION = 2\*\*62 - 1\], got \[0, -3\]"
+    if backend == "parallel":
+        assert torch.equal(check_offset(bad, rows=2), bad)  # no value read: no host sync
+        monkeypatch.setenv("LINEAR_ROPE_CHECKS", "0")
+        assert torch.equal(check_offset(bad, rows=2), bad)
+    else:
+        with pytest.raises(ValueError, match=msg):
+            check_offset(bad, rows=2)
     monkeypatch.setenv("LINEAR_ROPE_CHECKS", "1")
-    with pytest.raises(ValueError, match=r"offset must lie in \[0, MAX_POSITION = 2\*\*62 - 1\], got \[0, -3\]"):
+    with pytest.raises(ValueError, match=msg):
         check_offset(bad, rows=2)
+    assert torch.equal(check_offset(bad, rows=2, read=False), bad)

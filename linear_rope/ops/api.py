@@ -88,10 +88,12 @@ def rotary_linear_attention(
 
     Returns:
         `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``.
-        Double backward of the fast path is not supported (one-line RuntimeError; under
-        ``torch.func`` the composite path below is differentiable to any order); nor is
-        ``torch.jit.trace`` of the causal path (use ``torch.compile``). B = 0, H = 0, N = 0 or
-        e = 0 give empty results (N = 0: the state passes through).
+        Double backward is not supported on the torch path nor through the chunk-parallel
+        path's bf16 products (one-line RuntimeError; in float32 or wider the chunk-parallel
+        path is plain autograd, and under ``torch.func`` the composite path below is
+        differentiable to any order). Nor is ``torch.jit.trace`` of the causal path (use
+        ``torch.compile``). A backward may run inside the autocast block of its forward. B = 0,
+        H = 0, N = 0 or e = 0 give empty results (N = 0: the state passes through).
 
     Backends (``LINEAR_ROPE_BACKEND``): ``auto`` (the default) runs a causal call on CUDA
     tensors through the chunk-parallel path (``parallel.py``: plain torch ops, a fixed number of
@@ -100,7 +102,8 @@ def rotary_linear_attention(
     ``parallel`` takes the chunk-parallel path on any device; ``torch`` the torch path. On the
     chunk-parallel path the checks that read tensor values (features >= 0, a finite projection
     and state, offsets in range, a finite final key sum) are off unless ``LINEAR_ROPE_CHECKS=1``
-    (each would make the GPU wait); packed documents (``cu_seqlens``) go to the torch path there,
+    (each would make the GPU wait: unread, a token past ``MAX_POSITION`` gets NaN, never another
+    position's angle); packed documents (``cu_seqlens``) go to the torch path there,
     with the reason recorded (``record_paths``). ``triton`` takes the fused Triton kernels
     (``linear_rope.ops.triton``; raises with the reason for a call they do not take), which
     ``auto`` picks only once a GPU run in this process has measured them faster than the

@@ -113,9 +113,11 @@ def chunk_causal_backward(
     D = len(lay.starts)
     bufs = {n: t for n, t in zip(KEPT, kept) if t.numel()}
     fl = lambda t: flat(t, lay)  # noqa: E731
-    (dq, dk, dv), (dS0, dz0) = causal_backward(
-        walk, (fl(q), fl(k), fl(v), fl(out), den, bS, bz), fl(g), (gS.reshape(D, B * H, m, e), gz.reshape(D, B * H, m)),
-        (S0.reshape(D, B * H, m, e), z0.reshape(D, B * H, m)), bufs)
+    with torch.autocast(v.device.type, enabled=False):  # a backward called inside an autocast block: these dtypes
+        (dq, dk, dv), (dS0, dz0) = causal_backward(
+            walk, (fl(q), fl(k), fl(v), fl(out), den, bS, bz), fl(g),
+            (gS.reshape(D, B * H, m, e), gz.reshape(D, B * H, m)),
+            (S0.reshape(D, B * H, m, e), z0.reshape(D, B * H, m)), bufs)
     shape = (B, H, N)
     grads = [unflat(t, lay, shape) for t in (dq, dk, dv)]
     return grads + [dS0.view(S0.shape), dz0.view(z0.shape)]

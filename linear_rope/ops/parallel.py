@@ -61,12 +61,15 @@ from ..features import favor_exp_, favor_inputs, favor_projection
 from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
 
 __all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
-           "compute_dtypes", "segment_tokens"]
+           "compute_dtypes", "segment_tokens", "DOUBLE_BACKWARD"]
 
 CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
 STATE_BYTES = 4 << 30  # per-chunk states of one segment (float32), at most: 4 GiB
 KEEP_BYTES = 16 << 30  # what one segment keeps for the backward, at most; above, it recomputes (16 GiB)
 CHECKS_VAR = "LINEAR_ROPE_CHECKS"
+DOUBLE_BACKWARD = ("rotary_linear_attention: double backward (create_graph=True) is not supported on the "
+                   "chunk-parallel path's bf16 products (bf16 inputs or a bf16 autocast); run it in float32, or "
+                   "under torch.func for the composite path")
 PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
                  "sync, so packed documents take the torch path")
 
@@ -116,9 +119,9 @@ def _limb_tensors(dim: int, base: float, device: torch.device):
 
 def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False) -> torch.Tensor:
     """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile.
-    ``nonneg``: the positions are known to be >= 0 (no sign to carry)."""
+    ``nonneg``: the positions are known to lie in [0, MAX_POSITION] (no sign to carry)."""
     if is_compiling():
-        return rope_turns(positions, dim, base)
+        return rope_turns(positions, dim, base, in_range=nonneg)
     a, b = _limb_tensors(dim, float(base), positions.device)
     p = positions.reshape(-1, 1)
     mag = p if nonneg else p.abs()
@@ -129,6 +132,8 @@ def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False)
     turns -= turns.floor()
     turns = torch.addmm(turns, limbs, b)
     turns -= turns.floor()
+    if not nonneg:  # past MAX_POSITION (a wrapped sum, -2**63): NaN, as rope_turns gives
+        turns = turns.masked_fill((mag >> 62) != 0, float("nan"))
     return turns.view(*positions.shape, dim // 2)
 
 
@@ -261,6 +266,8 @@ class _Bf16Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():  # create_graph=True: this backward is not itself differentiated
+            raise RuntimeError(DOUBLE_BACKWARD)
         a16, b16 = ctx.saved_tensors
         with torch.autocast(g.device.type, enabled=False):  # a backward run under autocast: these dtypes
             g16 = _round(g)

@@ -53,7 +53,7 @@ def rotary_linear_attention_step(
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a tensor [B, H, .] (one token), got {got}")
     B = q_t.shape[0]
-    position = check_offset(position, "position", rows=B)
+    position = check_offset(position, "position", rows=B, read=True)  # (the step reads its arguments' values)
     a = check_args(q_t[:, :, None], k_t[:, :, None], v_t[:, :, None],
                    Options(rotary=rotary, offset=position if rotary else 0, base=base, projection=projection,
                            initial_state=state, allow_negative=allow_negative), state_name="state")

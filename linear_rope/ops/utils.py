@@ -136,12 +136,15 @@ def check_final_state(S: torch.Tensor, z: torch.Tensor, sk: torch.Tensor,
     return LinearAttentionState(S, z)
 
 
-def check_mask(mask, name: str, shape: tuple[int, int]) -> torch.Tensor:
+def check_mask(mask, name: str, shape: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """A bool tensor of ``shape`` (True = real token), on ``device`` where one is given."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"{name} must be a bool tensor [B, N] (True = real token), got {got}")
     if tuple(mask.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(mask.shape)}")
+    if device is not None and mask.device != device:
+        raise ValueError(f"{name} is on {mask.device}, the tokens on {device}")
     return mask
 
 
@@ -158,7 +161,8 @@ def check_cu_seqlens(cu, B: int, N: int) -> list[tuple[int, int]]:
     return list(zip(c[:-1], c[1:]))  # empty documents (equal neighbours) are allowed
 
 
-def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_state", read_values: bool = True):
+def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_state", read_values: bool = True,
+                device: torch.device | None = None):
     """A ``LinearAttentionState`` (or an (S, z) pair) of shapes `[rows, H, m, e]`, `[rows, H, m]`;
     finite (``read_values``: that check reads values, a host sync)."""
     if state is None:
@@ -173,6 +177,8 @@ def check_state(state, rows: int, H: int, m: int, e: int, name: str = "initial_s
         )
     if not (S.is_floating_point() and z.is_floating_point()):
         raise ValueError(f"{name} must be floating point, got {S.dtype} / {z.dtype}")
+    if device is not None and not (S.device == z.device == device):
+        raise ValueError(f"{name} is on {S.device} / {z.device}, q on {device}")
     if read_values and S.numel() + z.numel():  # a NaN z would make the denominator NaN, never "0": refuse it here
         require(torch.isfinite(S).all() & torch.isfinite(z).all(),
                 f"{name}: S and z must be finite (a NaN or inf state has no meaning to continue from)")
@@ -233,7 +239,8 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state", read_v
     as ``state_name``). ``read_values=False`` (the chunk-parallel path, unless
     ``LINEAR_ROPE_CHECKS=1``) leaves out the checks that read tensor values, each a host sync:
     features >= 0, a finite projection and initial state, per-row offsets within
-    [0, MAX_POSITION]; shapes, dtypes and flags are checked all the same."""
+    [0, MAX_POSITION] (unread, a position past it gets NaN angles); shapes, dtypes and flags
+    are checked all the same."""
     causal, rotary, offset, base, projection, mask, key_mask, cu_seqlens, initial_state, allow_negative, _ = opts
     for name in ("causal", "rotary", "allow_negative", "output_final_state"):
         check_flag(name, getattr(opts, name))
@@ -254,12 +261,12 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state", read_v
             "key_mask / k of another length than q means cross-attention, which has no shared "
             "position axis: it needs causal=False and rotary=False"
         )
-    qmask = None if mask is None else check_mask(mask, "mask", (B, N))
+    qmask = None if mask is None else check_mask(mask, "mask", (B, N), q.device)
     kmask = None if cross else qmask  # cross-attention: key_mask alone masks the keys
     if key_mask is not None:
         if cu_seqlens is not None:
             raise ValueError("key_mask: cross-attention over packed documents is not supported")
-        kmask = check_mask(key_mask, "key_mask", (B, M))
+        kmask = check_mask(key_mask, "key_mask", (B, M), q.device)
     if projection is not None:
         if not isinstance(projection, torch.Tensor) or projection.dim() != 2 or projection.shape[1] != x \
                 or not projection.is_floating_point():
@@ -285,16 +292,10 @@ def check_args(q, k, v, opts: Options, state_name: str = "initial_state", read_v
     _check_ignored(opts)
     docs = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, N)
     rows = B if docs is None else len(docs)
-    if read_values or not isinstance(offset, torch.Tensor):
-        offset = check_offset(offset, rows=rows)
-        if rotary:
-            check_last_position(offset, N if docs is None else max(e - s for s, e in docs))
-    else:  # the values' range is not read (a host sync); dtype and shape are
-        if offset.dtype not in (torch.int32, torch.int64) or offset.shape != (rows,):
-            raise ValueError(f"offset must be an int or an integer tensor [{rows}], got "
-                             f"{offset.dtype} {tuple(offset.shape)}")
-        offset = offset.long()
-    state = check_state(initial_state, rows, H, m, v.shape[-1], state_name, read_values)
+    offset = check_offset(offset, rows=rows, read=read_values)  # unread: NaN past MAX_POSITION (rope_turns)
+    if rotary:
+        check_last_position(offset, N if docs is None else max(e - s for s, e in docs), read=read_values)
+    state = check_state(initial_state, rows, H, m, v.shape[-1], state_name, read_values, q.device)
     positions = None
     if rotary:  # the positions every path uses, packed documents included
         positions = token_positions(offset, N, qmask, device=q.device, docs=docs)
