@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checks import check_base, check_flag
+from .checks import check_base, check_flag, check_input
 from .ops.utils import check_mask
 from .projections import HeadProjections, check_sizes
 from .rotary import apply_rotary, check_offset, token_positions
@@ -51,8 +51,9 @@ class SoftmaxAttention(HeadProjections):
 
     def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, output_final_state: bool = False):
         """x `[B, N, dim]` -> `[B, N, dim]` (with ``output_final_state``: ``(out, KVCache)``)."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
-            raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {getattr(x, 'shape', x)!r}")
+        check_input(x, "x", "[B, N, dim]", self.to_qkv.weight)
+        if x.shape[1] == 0:
+            raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {tuple(x.shape)}")
         B, N = x.shape[:2]
         q, k, v = self._qkv(x)
         if mask is None:
@@ -91,9 +92,7 @@ class SoftmaxAttention(HeadProjections):
     def step(self, x_t: torch.Tensor, state: KVCache | None, position: int | torch.Tensor):
         """Decode one token: x_t `[B, dim]` at ``position`` (an int or a LongTensor `[B]`) ->
         (`[B, dim]`, the cache with this token appended)."""
-        if not isinstance(x_t, torch.Tensor) or x_t.dim() != 2 or not x_t.is_floating_point():
-            raise ValueError(f"x_t must be a floating-point tensor [B, dim], got {getattr(x_t, 'dtype', type(x_t))} "
-                             f"{list(getattr(x_t, 'shape', []))}")
+        check_input(x_t, "x_t", "[B, dim]", self.to_qkv.weight)
         B = x_t.shape[0]
         self._check_cache(state, B, x_t)
         position = check_offset(position, "position", rows=B)

@@ -137,3 +137,13 @@ def test_qk_norm_scale_is_not_weight_decayed():
     opt = make_optimizer(lm, TrainConfig())
     no_decay = {id(p) for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
     assert all(id(b.attn.qk_norm.scale) in no_decay for b in lm.blocks)
+def test_softmax_layer_inputs_checked_in_one_line():
+    torch.manual_seed(0)
+    attn = SoftmaxAttention(dim=32, heads=2, dim_head=16)
+    for bad in (torch.randn(2, 5, 31), torch.randn(2, 5, 32, dtype=torch.float64), torch.ones(2, 5, 32, dtype=torch.long), torch.randn(5, 32)):
+        with pytest.raises(ValueError, match="x"):
+            attn(bad)
+    for bad in (torch.randn(2, 31), torch.randn(2, 5, 32)):
+        with pytest.raises(ValueError, match="x_t"):
+            attn.step(bad, None, 0)
+    assert attn(torch.randn(2, 5, 32)).shape == (2, 5, 32)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import ID_DTYPES, debug_checks, is_static, values
+from ..checks import ID_DTYPES, is_static, value_checks, values
 from ..softmax_attention import KVCache
 
 __all__ = ["reads_values", "check_ids", "check_mask", "check_labels", "check_positions", "check_cache_position",
@@ -29,18 +29,11 @@ FORWARD_EXTRAS = {"num_items_in_batch", "position_ids", "cache_position", "outpu
 
 
 def reads_values(t: torch.Tensor, always: bool = False) -> bool:
-    """Whether a check reads ``t``'s values here: eager, and ``always``, with
-    ``LINEAR_ROPE_CHECKS=1``, or on the CPU (no device sync) unless ``LINEAR_ROPE_BACKEND=parallel``
-    stands for the GPU's path."""
+    """Whether a check reads ``t``'s values here: the native rule (``checks.value_checks``), or
+    with ``always`` wherever eager and not on the meta device."""
     if is_static() or t.device.type == "meta":
         return False
-    if always or debug_checks():
-        return True
-    if t.device.type != "cpu":
-        return False
-    from ..ops.triton.dispatch import backend  # (imports nothing of the kernels)
-
-    return backend() != "parallel"
+    return always or value_checks(t)
 
 
 def _shown(vals: torch.Tensor) -> str:
