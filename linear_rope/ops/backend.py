@@ -1,0 +1,145 @@
+"""Which path a call of the op takes, and the record of it: the backend choice beside the door.
+
+The backend comes from ``use_backend``'s block, else the ``LINEAR_ROPE_BACKEND`` environment
+variable, else ``"auto"``:
+
+* ``auto`` (the default): a causal call on CUDA tensors takes the chunk-parallel path
+  (``parallel.py``: plain torch ops, a fixed number of kernels at any N, no host sync); on other
+  devices the torch path's block walk (``chunk_op.py``, the fastest on a CPU).
+* ``parallel``: the chunk-parallel path on any device (the CPU tests and counts it).
+* ``torch``: the torch path on any device.
+* ``fla``: fla-core's chunk kernels (``fla_path.py``: causal, CUDA, ``pip install
+  'linear_rope[fla]'``); a call it does not take is a ValueError with the reason.
+
+Whatever the backend, packed documents (``cu_seqlens``) take the torch path (``PACKED_REASON``),
+``torch.func`` transforms and forward-mode AD the composite path, and ``causal=False`` the
+closed form. ``record_paths`` collects the path each call takes, with the reason, as one string
+("parallel path (auto: CUDA tensors)"): the trainer names it in its first lines and the GPU
+benchmarks label their rows with it.
+
+The Triton kernels that ``LINEAR_ROPE_BACKEND=triton`` once selected were removed (the chunk-parallel
+path measured faster in training); ``TRITON_REMOVED`` says where they are kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["BACKENDS", "ENV_VAR", "PACKED_REASON", "TRITON_REMOVED", "backend", "check_backend",
+           "choose", "record", "record_paths", "takes_parallel", "use_backend"]
+
+ENV_VAR = "LINEAR_ROPE_BACKEND"
+BACKENDS = ("auto", "torch", "parallel", "fla")
+TRITON_REMOVED = ("the Triton kernels (LINEAR_ROPE_BACKEND=triton) were removed from linear_rope: the "
+                  "chunk-parallel path (auto on CUDA) replaced them; the last commit that has them is named in "
+                  "docs/gpu.md")
+PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
+                 "sync, so packed documents take the torch path")
+
+_OVERRIDE: list[str] = []  # use_backend's stack (innermost last)
+_RECORDERS: list[list[str]] = []
+
+
+def _checked(name: str, where: str) -> str:
+    if name == "triton":
+        raise ValueError(f"{where}=triton: {TRITON_REMOVED}")
+    if name not in BACKENDS:
+        raise ValueError(f"{where} must be one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Within the block, calls take backend ``name`` as if ``LINEAR_ROPE_BACKEND`` said so (e.g. to
+    time two paths through the public op)."""
+    _OVERRIDE.append(_checked(name, "use_backend: name"))
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
+def backend() -> str:
+    """``use_backend``'s, else ``LINEAR_ROPE_BACKEND``'s, else "auto"; a one-line ValueError for
+    another name."""
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    return _checked(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+
+
+def _source() -> str:
+    return "forced" if _OVERRIDE else f"{ENV_VAR}={backend()}"
+
+
+def takes_parallel(q: torch.Tensor, name: str | None = None) -> bool:
+    """Whether the backend (``name``, else ``backend()``) sends a causal call on ``q`` to the
+    chunk-parallel path: ``parallel`` anywhere, ``auto`` for CUDA tensors."""
+    name = backend() if name is None else name
+    return name == "parallel" or (name == "auto" and q.is_cuda)
+
+
+def choose(q: torch.Tensor, *, causal: bool, packed: bool, transformed: bool, eager: bool) -> str:
+    """The path of a call on ``q``: "parallel", "torch", "composite", "bidirectional", "documents"
+    or "fla"; an eager causal call records it for ``record_paths``. ``packed``: ``cu_seqlens``
+    given; ``transformed``: under ``torch.func`` or forward-mode AD; ``eager``: neither compiling
+    nor transformed."""
+    name = backend()
+    if name == "fla" and eager:
+        return "fla"  # recorded by the fla path, which refuses with the reason a call it does not take
+    if not causal:
+        return "documents" if packed else "bidirectional"
+    if transformed:
+        return "composite"
+    par = takes_parallel(q, name)
+    if par and not packed:
+        path, why = "parallel", "auto: CUDA tensors" if name == "auto" else _source()
+    elif par:
+        path, why = "torch", PACKED_REASON
+    else:
+        path, why = "torch", f"auto: tensors on {q.device.type}" if name == "auto" else _source()
+    if eager:
+        record(f"{path} path ({why})")
+    return path
+
+
+@contextlib.contextmanager
+def record_paths():
+    """Within the block, every causal op call appends the path it takes to the yielded list:
+    "parallel path (<reason>)", "torch path (<reason>)" or "fla path (<reason>)"."""
+    paths: list[str] = []
+    _RECORDERS.append(paths)
+    try:
+        yield paths
+    finally:
+        _RECORDERS.remove(paths)
+
+
+def record(path: str) -> None:
+    """Note the path a call took, for ``record_paths`` (a no-op outside it)."""
+    for paths in _RECORDERS:
+        paths.append(path)
+
+
+def check_backend(device: torch.device | str | None = None) -> str:
+    """The backend ``LINEAR_ROPE_BACKEND`` names, checked once at a program's start for work on
+    ``device`` (None: CUDA if available, else the CPU): a one-line ValueError for a value that run
+    could not use (an unknown name; ``triton``, removed; ``fla`` without a CUDA device or fla-core).
+    Every other backend runs on any device."""
+    try:
+        name = backend()
+    except ValueError as e:
+        if "triton" in str(e):
+            raise
+        raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r} is not a backend: use one of "
+                         f"{', '.join(BACKENDS)}, or unset it") from None
+    dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if name == "fla":
+        if dev.type != "cuda":
+            raise ValueError(f"{ENV_VAR}=fla: fla-core's kernels need a CUDA device and this run is on {dev.type}; "
+                             f"unset {ENV_VAR} or set it to auto or torch")
+        if importlib.util.find_spec("fla") is None:
+            raise ValueError(f"{ENV_VAR}=fla: fla-core is not installed (pip install 'linear_rope[fla]')")
+    return name
