@@ -81,6 +81,9 @@ class TrainConfig:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.compile_mode == "reduce-overhead" and self.grad_accum > 1:  # a replay overwrites the last one's outputs
+            raise ValueError(f"compile_mode reduce-overhead (CUDA graphs) takes grad_accum 1, got {self.grad_accum}: "
+                             "raise batch_size instead, or use compile_mode default")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for f in ("decay_steps", "threads"):
