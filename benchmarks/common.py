@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bz2
 import contextlib
-import dataclasses
 import functools
 import gzip
 import io
@@ -27,11 +26,9 @@ import lzma
 import math
 import os
 import platform
-import resource
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -97,9 +94,16 @@ def quiet():
 
 # --- timing ----------------------------------------------------------------------------------
 
-def time_call(fn: Callable[[], object]) -> float:
+def time_call(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Seconds of one call of ``fn``: the timing core of every benchmark, CPU and GPU. On a CUDA
+    ``device`` the queue is drained before and after (the call's kernels are in the time)."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -186,45 +190,6 @@ def machine_peak(quick: bool = False) -> float:
     return gemm_peak(gemm_n(quick))
 
 
-# --- memory ----------------------------------------------------------------------------------
-
-def peak_rss_mib() -> float:
-    """High-water resident set of this process, MiB: ``VmHWM`` of /proc/self/status on Linux (not
-    ``ru_maxrss``: a child inherits its parent's peak there across fork + exec); ``ru_maxrss`` elsewhere."""
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS
-
-
-def reset_peak_rss() -> bool:
-    """Lower this process's high-water RSS (``VmHWM``) to its current RSS (Linux >= 4.0), so that
-    the import-time peak does not hide a smaller peak of the op after it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def run_child(module: str, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 900) -> dict:
-    """Run ``python -m <module> --one <args>`` in a fresh process (``env`` added): its last stdout
-    line's JSON, or ``{"error": ...}`` when the child fails (e.g. killed for memory)."""
-    env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    try:
-        proc = subprocess.run([sys.executable, "-m", module, "--one", *args], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return {"error": f"exit {proc.returncode}: {tail}"}
-    return json.loads(lines[-1])
-
-
 # --- reporting -------------------------------------------------------------------------------
 
 def fmt(x, digits: int = 3) -> str:
@@ -309,7 +274,7 @@ def cli(main: Callable[..., dict], doc: str, **options: dict) -> None:
     main(a.pop("quick"), a.pop("out_dir"), **a)
 
 
-# --- the GPU check's parts (benchmarks.gpu): device, budgets, CUDA-event timing, corpus ----------
+# --- the GPU window (benchmarks.gpu): device, budgets, corpus ---------------------------------
 
 NEEDS_CUDA = "skipped: needs CUDA"
 SAMPLE_NAME = "enwiki-sample.xml.bz2"
@@ -353,7 +318,7 @@ class PartTimeout(BaseException):
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Raise ``PartTimeout`` in this thread after ``seconds`` (SIGALRM; a no-op where signals
-    are not available, e.g. off the main thread). A backstop: parts also check ``Ctx.left``
+    are not available, e.g. off the main thread). A backstop: rows also check ``Window.left``
     between measurements, and a CUDA kernel already queued still runs to its end."""
     usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     if not usable or seconds <= 0:
@@ -372,39 +337,6 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-@dataclasses.dataclass
-class Ctx:
-    """One run: the device, the mode, and the wall-time budget of the part now running."""
-
-    device: torch.device
-    quick: bool
-    data: str | None = None
-    compile: bool = False
-    train_batch: int | None = None
-    gen_batch: int | None = None
-    part_start: float = 0.0
-    part_budget: float = math.inf
-    save: Callable[[], None] = lambda: None  # writes the JSON and Markdown so far (a killed run keeps them)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def start_part(self, budget_s: float) -> None:
-        self.part_start, self.part_budget = time.perf_counter(), budget_s
-
-    def left(self) -> float:
-        """Seconds left in the current part's budget."""
-        return self.part_budget - (time.perf_counter() - self.part_start)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def peak_tflops(self) -> float | None:
-        return bf16_peak_tflops(torch.cuda.get_device_name(self.device)) if self.cuda else None
-
-
 def device_info(device: torch.device) -> dict:
     info = {"type": device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
@@ -419,37 +351,23 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-def measure(ctx: Ctx, fn: Callable[[], object], *, reps: int, max_s: float, warmup: int = 1) -> dict:
-    """Median milliseconds of ``fn`` over up to ``reps`` calls after ``warmup`` calls, stopping
-    once the timed calls add up to ``max_s``. CUDA: one pair of CUDA events per call; CPU:
-    perf_counter. With CUDA also the peak memory above what was allocated before, MiB."""
-    mem0 = 0
-    if ctx.cuda:
-        ctx.sync()
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-        mem0 = torch.cuda.memory_allocated(ctx.device)
+def measure(fn: Callable[[], object], *, device: torch.device | None = None, reps: int, max_s: float,
+            warmup: int = 1) -> dict:
+    """Median milliseconds of ``fn`` (``time_call``) over up to ``reps`` calls after ``warmup``,
+    stopping once the timed calls add up to ``max_s``; on CUDA also the peak memory allocated
+    above what was allocated before, MiB."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        mem0 = torch.cuda.memory_allocated(device)
     for _ in range(warmup):
         fn()
-    ctx.sync()
-    peak = (torch.cuda.max_memory_allocated(ctx.device) - mem0) / 2**20 if ctx.cuda else None
+    peak = (torch.cuda.max_memory_allocated(device) - mem0) / 2**20 if cuda else NEEDS_CUDA
     times: list[float] = []
-    spent = 0.0
-    while len(times) < reps and (not times or spent < max_s):
-        if ctx.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms = a.elapsed_time(b)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = 1e3 * (time.perf_counter() - t0)
-        times.append(ms)
-        spent += ms / 1e3
-    return {"ms": statistics.median(times), "ms_min": min(times), "reps": len(times),
-            "peak_mib": peak if ctx.cuda else NEEDS_CUDA}
+    while len(times) < reps and sum(times) < max_s * 1e3 or not times:
+        times.append(1e3 * time_call(fn, device))
+    return {"ms": statistics.median(times), "ms_min": min(times), "reps": len(times), "peak_mib": peak}
 
 
 def load_corpus(path: str | None, max_bytes: int) -> tuple[torch.Tensor, str]:

@@ -1,364 +1,398 @@
-"""The GPU check and benchmark: is every path right on the device, and how fast is it?
+"""The GPU window: the rows users compare, in order, in one call of at most 570 s (docs/gpu.md).
 
-    python -m benchmarks.gpu                            # CUDA: about 8.5 minutes on an H100
-    python -m benchmarks.gpu --device cpu --quick       # every part at toy sizes, under a minute
-    python -m benchmarks.gpu --check                    # correctness only; exit 1 if a check fails
+    python -m benchmarks.gpu --out OUT                         # CUDA: the rows of ROWS, in order
+    python -m benchmarks.gpu --device cpu --quick --out OUT    # toy sizes (CI's dry run)
+    python -m benchmarks.gpu --plan                            # the rows and their budgets, as JSON
 
-One process on one device; the parts (``PARTS``, docs/gpu.md) run in order, each with a share of
-``--budget-s``: 0. compare (``gpu_train.run_compare``, only when named): training tokens/s and MFU,
-softmax first; 1. correctness (``gpu_checks``); 2. op_speed (``gpu_speed``); 3. training and
-4. generation (``gpu_train``). The JSON (``--out``) and its Markdown beside it are rewritten after
-every part, so a run cut short keeps what it measured. Exit 1 if a check failed, 2 if a part
-raised, else 0; what the CPU cannot run says "skipped: needs CUDA". Wheels for a device machine
-without network: ``bash benchmarks/gpu_wheels.sh``.
+A row starts only while the window (``--until``: gpu_plan.sh's start + 570 s) holds its budget,
+else it is recorded as skipped with the reason; SIGALRM stops it at its budget plus ``GRACE_S``.
+Each row writes ``OUT/<row>.json`` as it ends, and ``OUT/window.json`` / ``.md`` list the rows so
+far. Labels come from what ran: the path the op recorded at the row's own shape (compiled, the
+Triton kernels excepted: they run only eagerly) and, on CUDA, the attention kernels a step launched.
 """
 from __future__ import annotations
 
-import os
-import sys
-
-if "cpu" in sys.argv[sys.argv.index("--device") + 1:][:1] if "--device" in sys.argv else False:
-    # CPU mode: the Triton kernels' rows run in Triton's interpreter, which must be chosen before
-    # triton.language is first imported (torch may import it)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import argparse
+import json
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
 
-try:  # performer-pytorch (which draws the FAVOR+ projections) imports distutils, which Python 3.12
-    import distutils  # noqa: F401  has only through setuptools' shim; importing setuptools installs it
-except ImportError:
-    import setuptools  # noqa: F401
+from linear_rope import FavorFeatures, PerformerLM, rotary_linear_attention
+from linear_rope.decode import Decoder
+from linear_rope.enwik8.step import compile_blocks
+from linear_rope.ops.triton import record_paths
+from linear_rope.ops.triton.dispatch import takes_parallel
 
-from . import gpu_checks, gpu_speed, gpu_train  # noqa: E402
-from .common import BENCH_DIR, NEEDS_CUDA, Ctx, PartTimeout, deadline, device_info, fmt, format_table, one_line, write_json  # noqa: E402
+from . import gpu_checks
+from .attention import ours_flops, sdpa_flops
+from .common import (NEEDS_CUDA, RESULTS_DIR, PartTimeout, batch_of, deadline, device_info, fmt, format_table, is_oom,
+                     load_corpus, measure, one_line, time_call, write_json)
 
-# Part name -> (title, runner, share of the budget). Run in this order; the JSON and the
-# Markdown list them by number.
-PARTS = {
-    "compare": ("0. Training: softmax against linear attention", gpu_train.run_compare, 0.3),
-    "correctness": ("1. Correctness on the device", lambda ctx, res: res.update(gpu_checks.run(ctx)), 0.15),
-    "op_speed": ("2. Op speed", gpu_speed.run, 0.35), "generation": ("4. Generation", gpu_train.run_generation, 0.06),
-    "training": ("3. Training", gpu_train.run_training, 0.44),
-}
-ORDER = ("compare", "correctness", "op_speed", "training", "generation")
-GRACE_S = 20.0  # past a part's budget before its deadline fires (a call in flight may finish)
-
-
-# --- the Markdown section, from the JSON alone -----------------------------------------------
-
-def _cell(x):
-    if isinstance(x, str):
-        return "needs CUDA" if x.startswith(NEEDS_CUDA) else x
-    return x
-
-
-def _pct(x):
-    return None if not isinstance(x, float) else f"{100 * x:.1f}%"
-
-
-def _head(title: str, part: dict) -> list[str]:
-    line = f"Status: **{part.get('status')}**"
-    if "wall_s" in part:
-        line += f", {fmt(part['wall_s'])} s of a {fmt(part.get('budget_s'))} s budget"
-    if "error" in part:
-        line += f". {part['error']}"
-    return [f"### {title}", "", line + ".", ""]
+WINDOW_S, SETUP_S, GRACE_S = 570, 30, 15  # the call, gpu_plan.sh's set-up (wheels, imports), a row's overrun
+# (name, budget s, kind, keywords), run in this order: the four training rows (the paper preset,
+# bf16 autocast, 16 x 1024 tokens a step), decoding, the op on the default path, the checks, the rest
+ROWS = (("train_softmax_1k", 55, "train", dict(position="softmax", n=1024)),
+        ("train_rope_1k", 70, "train", dict(position="rope", n=1024)),
+        ("train_softmax_4k", 55, "train", dict(position="softmax", n=4096)),
+        ("train_rope_4k", 70, "train", dict(position="rope", n=4096)),
+        ("decode_1k", 45, "decode", dict(context=1024)),  # the step's compile: 12 layers in one graph
+        ("decode_16k", 40, "decode", dict(context=16384)),
+        ("op", 60, "op", {}),
+        ("checks", 60, "checks", {}),
+        ("triage", 40, "triage", {}))
+FULL = dict(preset="paper", tokens=16 * 1024, row_s=10.0, warmup=2, corpus=1 << 26, scale=1, dec_batch=8,
+            dec_warm=5, dec_steps=64, op_shape=(8, 12), op_ns=(1024, 4096, 16384), reps=10, cell_s=0.5)
+QUICK = dict(preset="tiny", tokens=4 * 64, row_s=0.5, warmup=1, corpus=1 << 20, scale=1 / 16, dec_batch=2,
+             dec_warm=3, dec_steps=8, op_shape=(1, 2), op_ns=(64, 128), reps=2, cell_s=0.1)
+LR, D, M, FLA_MAX_CONFIGS = 3e-4, 64, 266, 4
 
 
-def _correctness(p: dict) -> list[str]:
-    checks = p.get("checks", [])
-    rows = []
-    for c in checks:
-        verdict = {True: "pass", False: "FAIL", None: "skipped"}[c.get("passed")]
-        if "error" in c:
-            rows.append([c["check"], c["dtype"], c["error"], "-", "-", "-", verdict])
-        elif "max_abs_before_t0" in c:
-            rows.append([c["check"], c["dtype"], f"before t0: {c['max_abs_before_t0']:.3g} (must be 0)",
-                         f"after: {c['max_abs_from_t0']:.3g}", "-", "exact", verdict])
-        elif "losses" in c:
-            rows.append([c["check"], c["dtype"], "losses " + ", ".join(f"{x:.3f}" for x in c["losses"]),
-                         "grad norms " + ", ".join(f"{x:.3g}" for x in c["grad_norms"])
-                         + f" ({c.get('steps_applied')}/{len(c['losses'])} steps applied)"
-                         + (f"; first non-finite output: {c['first_nonfinite_module']}" if c.get("first_nonfinite_module") else ""),
-                         "-", "finite", verdict])
-        else:
-            base = c.get("naive_fp32_max_rel_to_max")
-            tol = f"{c['rtol']:.3g} / {c['atol']:.3g}" + (f" / {c['grad_atol']:.3g}" if "grad_atol" in c else "")
-            rows.append([c["check"], c["dtype"], f"{c['worst_over_tol']:.3g}", f"{c['max_rel_to_max']:.3g}",
-                         f"{base:.3g}" if base else "-", tol, verdict])
-    out = [f"{p.get('passed', 0)} checks passed, {len(p.get('failed', []))} failed"
-           + (": " + "; ".join(p["failed"]) if p.get("failed") else "") + ".", ""]
-    if rows:
-        out += [format_table(["check", "dtype", "worst error / tolerance", "max error / max abs(ref)",
-                              "same, naive in fp32", "rtol / atol / grad atol", "result"], rows), ""]
-    whys = {("Triton kernels, " if c["check"].startswith("triton:") else "") + c["dtype"]: c["why"]
-            for c in checks if "why" in c}
-    out += ["Fast vs naive: every element must obey abs(fast - ref) <= atol * max abs(ref) + rtol * abs(ref) "
-            "(grad atol for the gradients), ref = the naive op in float64 on the same rounded inputs (outputs, "
-            "final states, gradients of q, k, v for a random upstream gradient). \"same, naive in fp32\": the error "
-            "of the naive op run in float32 and rounded like the fast path, for comparison.",
-            *[f"- {d}: {w}" for d, w in whys.items()], ""]
-    if p.get("triton"):
-        out += [f"Triton kernels (``linear_rope.ops.triton``): {p['triton']}.", ""]
-    return out
+class Skip(Exception):
+    """A row that cannot run here; its message is the row's status."""
 
 
-def _speed(p: dict) -> list[str]:
-    rows, cfg = p.get("rows", []), p.get("config", {})
-    out = [f"- {n}: {d}" for n, d in p.get("impls", {}).items()] + [""]
-    if p.get("fla_warmup_s"):
-        out += ["fla's first calls (autotuning), before the timed cells: "
-                + ", ".join(f"{n} {fmt(v) + ' s' if isinstance(v, float) else v}" for n, v in p["fla_warmup_s"].items()), ""]
-    if p.get("memory"):
-        out += [f"Peak memory: {p['memory']}", ""]
-    shown = ("ours_torch", "ours_triton", "ours_fla", "sdpa", "fla_chunk", "fla_fused_chunk", "performer")
-    impls = sorted(p.get("impls", {}), key=lambda i: shown.index(i) if i in shown else len(shown))  # not run order
-    reasons: dict[str, list[int]] = {}
-    for B, H in cfg.get("configs", []):
-        table = []
-        for n in cfg.get("ns", []):
+class Window:
+    """One call: the device, the sizes, the clock of the window and of the row now running."""
+
+    def __init__(self, device: torch.device, quick: bool, window_s: float, compile: bool, data: str | None):
+        self.device, self.quick, self.compile, self.data, self.cuda = device, quick, compile, data, device.type == "cuda"
+        self.cfg, self.start, self.window_s, self.row_end = QUICK if quick else FULL, time.perf_counter(), window_s, 0.0
+
+    def spent(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        """Seconds left to the row now running (its budget, within the window's)."""
+        return min(self.row_end, self.start + self.window_s) - time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def peak_mib(self, reset: bool = False):
+        """The peak allocated since the last reset, MiB (``reset``: start a new one)."""
+        if self.cuda and reset:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.cuda else NEEDS_CUDA
+
+
+def compiles() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    return counters["stats"]["unique_graphs"]
+
+
+def compiled_label(paths: list[str], compiled: bool, q: torch.Tensor) -> str:
+    """The attention path of ``paths`` (recorded eagerly); compiled, a graph takes the parallel or
+    the torch path, never the Triton kernels (they run only eagerly)."""
+    label = "; ".join(dict.fromkeys(paths)) or "no linear attention call"
+    if compiled and label.startswith("triton kernels"):
+        label = ("parallel" if takes_parallel(q) else "torch") + " path (compiled: the Triton kernels run only eagerly)"
+    return label
+
+
+def attention_kernels(w: Window, step) -> list[str] | str:
+    """The GPU kernels of one call of ``step`` whose names say attention (flash, fmha, sdpa, ...)."""
+    if not w.cuda:
+        return f"{NEEDS_CUDA} (kernel names)"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        w.sync()
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    return sorted(n[:120] for n in names if any(s in n.lower() for s in ("flash", "fmha", "attention", "sdpa")))
+
+
+def flops_per_token(model: PerformerLM, seq: int) -> float:
+    """6 x the parameters but the embedding, plus each layer's attention (fwd + bwd)."""
+    c = model.cfg
+    attn = sdpa_flops(seq, d=c.dim_head, heads=c.heads) if c.position == "softmax" else \
+        ours_flops(seq, d=c.dim_head, m=c.nb_features, heads=c.heads)
+    return 6 * (model.num_params() - model.tok_emb.weight.numel()) + c.depth * attn / seq
+
+
+def _train_step(model, opt, x, y) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+def train_row(w: Window, rec: dict, position: str, n: int) -> None:
+    """Training steps of a fresh model at ``position`` and N = ``n``, the same tokens a step at
+    every N; dynamo reset first, so no row inherits another's graphs or dynamic shapes."""
+    c = w.cfg
+    seq = max(16, int(n * c["scale"]))
+    batch = max(1, c["tokens"] // seq)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(c["preset"], position=position, seq_len=seq,
+                                    feature_redraw_interval=0).to(w.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    corpus, source = load_corpus(w.data, c["corpus"])
+    g = torch.Generator().manual_seed(0)
+    x0, _ = batch_of(corpus, batch, seq, g)
+    with record_paths() as paths, torch.no_grad(), torch.autocast(w.device.type, dtype=torch.bfloat16):
+        model(x0.to(w.device))  # eager, at the row's shape: the path its calls take
+    how = compile_blocks(model) if w.compile else "eager (compiled on CUDA; --compile on forces it)"
+    rec.update(preset=c["preset"], position=position, N=seq, batch=batch, data=source, compile=how,
+               autocast="bfloat16", optimizer=f"AdamW lr {LR}, betas (0.9, 0.95), weight decay 0.1, clip 1.0",
+               path=compiled_label(paths, w.compile, x0.to(w.device)))
+
+    def step():
+        x, y = (t.to(w.device, non_blocking=True) for t in batch_of(corpus, batch, seq, g))
+        return _train_step(model, opt, x, y)
+
+    w.peak_mib(reset=True)
+    c0 = compiles()
+    rec["compile_s"] = time_call(step, w.device)  # the first step compiles forward and backward
+    rec["graphs_compiled"] = compiles() - c0
+    for _ in range(c["warmup"]):
+        step()
+    w.sync()
+    t1, losses = time.perf_counter(), []
+    while len(losses) < 2 or (time.perf_counter() - t1 < c["row_s"] and w.left() > 8):
+        losses.append(step())
+    w.sync()
+    dt = time.perf_counter() - t1
+    tps, fpt, peak = len(losses) * batch * seq / dt, flops_per_token(model, seq), device_info(w.device)["bf16_peak_tflops"]
+    rec.update(timed_steps=len(losses), timed_s=dt, tokens_per_s=tps, ms_per_step=1e3 * dt / len(losses),
+               flops_per_token=fpt, mfu=fpt * tps / (peak * 1e12) if peak else f"{NEEDS_CUDA} (no bf16 peak)",
+               peak_memory_mib=w.peak_mib(), last_loss=float(losses[-1]), graphs_after_first_step=compiles() - c0 - rec["graphs_compiled"])
+    rec["attention_kernels"] = kernels = attention_kernels(w, step)
+    if position == "softmax":  # what SDPA launched, where the profiler saw it
+        rec["path"] = ("flash SDPA" if any("flash" in k.lower() for k in kernels) else "SDPA, not flash") + \
+            f" (kernels: {', '.join(kernels) or 'none named'})" if isinstance(kernels, list) else \
+            "F.scaled_dot_product_attention (the CPU's kernel)"
+
+
+def decode_row(w: Window, rec: dict, context: int, compile: bool | None = None) -> None:
+    """Decoding ms a token on one ``Decoder`` (batch, max_len = prompt + warm-up + timed steps):
+    the prompt read in parallel, warm-up steps (the compile, the CUDA graph's recording), then
+    the timed steps on the same decoder: the shapes timed are the shapes warmed up, and the
+    graphs compiled inside the timed steps are counted (0 expected)."""
+    c = w.cfg
+    C, B, W, T = max(16, int(context * c["scale"])), c["dec_batch"], c["dec_warm"], c["dec_steps"]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PerformerLM.from_preset(c["preset"]).to(w.device).eval()
+    dec = Decoder(model, batch_size=B, max_len=C + W + T, compile=compile)
+    ids = torch.randint(0, 256, (B, C), generator=torch.Generator().manual_seed(0)).to(w.device)
+    rec.update(preset=c["preset"], context=C, batch=B, autocast="bfloat16", greedy=True, shapes={})
+    w.peak_mib(reset=True)
+    tok = [None]
+
+    def steps(n):
+        for _ in range(n):
+            tok[0] = dec.step(tok[0]).argmax(-1)
+    with torch.no_grad(), torch.autocast(w.device.type, dtype=torch.bfloat16):
+        rec["prefill_s"] = time_call(lambda: tok.__setitem__(0, dec.prefill(ids).argmax(-1)), w.device)
+        for phase, n in (("warmup", W), ("timed", T)):
+            rec["shapes"][phase] = {"batch": dec.B, "max_len": dec.max_len, "token": list(tok[0].shape)}
+            c0 = compiles()
+            rec[f"{phase}_s"] = time_call(lambda: steps(n), w.device)
+            rec[f"graphs_compiled_{phase}"] = compiles() - c0
+    rec.update(compiled=compile if compile is not None else w.cuda, ms_per_step=1e3 * rec["timed_s"] / T, timed_steps=T,
+               decode_tokens_per_s=B * T / rec["timed_s"], prefill_tokens_per_s=B * C / rec["prefill_s"],
+               peak_memory_mib=w.peak_mib())
+
+
+def _op_impls(w: Window) -> dict:
+    """name -> (fn(q, k, v) or None, what it is or why not)."""
+    W = FavorFeatures(D, M).projection.to(w.device)
+    impls = {"ours": (lambda q, k, v: rotary_linear_attention(q, k, v, projection=W),
+                      "linear_rope.rotary_linear_attention(projection=W [266, 64]), the default path "
+                      "(LINEAR_ROPE_BACKEND unset: auto), eager")}
+    if w.cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def flash(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        impls["sdpa"] = (flash, "flash SDPA (SDPBackend.FLASH_ATTENTION), causal")
+    else:
+        impls["sdpa"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                         f"SDPA, the CPU's kernel (flash: {NEEDS_CUDA})")
+    impls["fla"] = (None, f"{NEEDS_CUDA} (fla's kernels are Triton GPU kernels)")
+    try:
+        if w.cuda:
+            from fla.ops.linear_attn import chunk_linear_attn
+            from triton.runtime.autotuner import Autotuner
+
+            for mod in [m for n, m in list(sys.modules.items()) if n.startswith("fla.") and m is not None]:
+                for obj in vars(mod).values():  # fla autotunes every config on a first call: keep the first few
+                    while hasattr(obj, "fn") and not isinstance(obj, Autotuner):  # under triton.heuristics
+                        obj = obj.fn
+                    if isinstance(obj, Autotuner):
+                        obj.configs = obj.configs[:FLA_MAX_CONFIGS]
+            impls["fla"] = (lambda q, k, v: chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, normalize=True)[0],
+                            f"fla chunk_linear_attn, elu+1 features, normalize=True, autotune capped at {FLA_MAX_CONFIGS}")
+    except Exception as e:  # noqa: BLE001 - not installed, or a Triton / torch mismatch at import
+        impls["fla"] = (None, f"skipped: fla not importable ({one_line(e)})")
+    return impls
+
+
+def op_row(w: Window, rec: dict) -> None:
+    """The op alone, bf16, B x H x N x 64, forward and forward + backward: ours on the default
+    path against flash SDPA and fla; each cell the median of CUDA-synchronised calls."""
+    c = w.cfg
+    B, H = c["op_shape"]
+    impls = _op_impls(w)
+    rec.update(B=B, H=H, d=D, m=M, dtype="bfloat16", impls={n: d for n, (_, d) in impls.items()}, cells=[])
+    g = torch.Generator(device=w.device).manual_seed(0)
+    for n in c["op_ns"]:
+        q, k, v = (torch.randn(B, H, n, D, device=w.device, dtype=torch.bfloat16, generator=g) for _ in range(3))
+        for name, (fn, _) in impls.items():
             for mode in ("fwd", "fwd+bwd"):
-                get = {r["impl"]: r for r in rows if (r["B"], r["H"], r["N"], r["mode"]) == (B, H, n, mode)}
-                if not get:
+                cell = {"impl": name, "N": n, "mode": mode}
+                rec["cells"].append(cell)
+                if fn is None or w.left() < 5:
+                    cell["status"] = "skipped: row budget spent" if fn else impls[name][1]
                     continue
-                cells = [n, mode]
-                for i in impls:
-                    r = get.get(i, {})
-                    if r.get("status") == "ok":
-                        cells.append(r["ms"])
-                    else:
-                        reasons.setdefault(f"{i}: {r.get('status', 'not reached (the part stopped)')}", []).append(n)
-                        cells.append("needs CUDA" if str(r.get("status", "")).startswith(NEEDS_CUDA) else "-")
-                if all(not isinstance(c, float) for c in cells[2:]):
-                    continue  # nothing measured in this row: the reasons are listed below the table
-                o, t, s = get.get("ours_torch", {}), get.get("ours_triton", {}), get.get("sdpa", {})
-                cells.append(s["ms"] / o["ms"] if "ms" in o and "ms" in s else None)
-                cells.append(s["ms"] / t["ms"] if "ms" in t and "ms" in s else None)
-                for r in (o, t, s):
-                    cells.append(f"{fmt(r['tflops'])} ({_pct(r.get('frac_bf16_peak')) or 'no peak'})" if "tflops" in r else None)
-                cells += [_cell(o.get("peak_mib")), _cell(t.get("peak_mib")), _cell(s.get("peak_mib"))]
-                table.append(cells)
-        if table:
-            out += [f"B={B}, H={H}, d={cfg.get('d')}, m={cfg.get('m')}, bf16; milliseconds (median):", "",
-                    format_table(["N", "mode", *[f"{i} ms" for i in impls], "sdpa/ours_torch", "sdpa/ours_triton",
-                                  "ours_torch TFLOP/s", "ours_triton TFLOP/s", "sdpa TFLOP/s", "ours_torch MiB",
-                                  "ours_triton MiB", "sdpa MiB"], table), ""]
-    if reasons:
-        out += ["Not measured (\"-\", or rows left out):",
-                *[f"- {r} ({len(ns)} cells, N={min(ns)}..{max(ns)})" for r, ns in sorted(reasons.items())], ""]
-    prof = p.get("profile")
-    if isinstance(prof, dict):
-        busy = (f"{prof['kernels']} kernels, {fmt(prof['kernel_ms'])} ms of kernel time = "
-                f"{_pct(prof['gpu_busy_fraction'])} of the wall time" if "kernel_ms" in prof else _cell(prof["kernels"]))
-        out += [f"Profile of {prof.get('impl', 'ours')} ({prof.get('path', '')}), fwd+bwd at B={prof['B']}, H={prof['H']}, N={prof['N']} (torch.profiler): "
-                f"{fmt(prof['wall_ms_profiled'])} ms wall; {busy}. Top ops by {prof['sorted_by']}: "
-                + ", ".join(f"{t['op']} {fmt(t['self_ms'])} ms ({_pct(t['share'])}, {t['calls']} calls)"
-                            for t in prof["top"][:8]) + ".", ""]
-    elif prof:
-        out += [f"Profile of ours: {prof}", ""]
-    for key, c in p.get("crossover", {}).items():
-        if isinstance(c, str):
-            out.append(f"- crossover against flash, {key}: {c}")
-            continue
-        for what, x in c.items():
-            est = f", about N={x['estimate']}" if x.get("estimate") else ""
-            out.append(f"- crossover {what.replace('_vs_', ' vs ')}, {key}: N={x['n']}{est} ({x['note']})")
-    return out + [""]
+                lay = (lambda t: t.transpose(1, 2).contiguous()) if name == "fla" else torch.clone  # fla: [B, N, H, D]
+                leaves = [lay(t).requires_grad_(mode != "fwd") for t in (q, k, v)]
+
+                def call(fn=fn, leaves=leaves, mode=mode):
+                    with torch.set_grad_enabled(mode != "fwd"):
+                        out = fn(*leaves)
+                        if mode != "fwd":
+                            torch.autograd.grad(out, leaves, torch.ones_like(out))
+                try:
+                    with record_paths() as paths:
+                        r = measure(call, device=w.device, reps=c["reps"], max_s=c["cell_s"])
+                    cell.update(status="ok", **r, path=(paths[0] if paths else None) if name == "ours" else name)
+                except Exception as e:  # noqa: BLE001 - recorded, and the next cell runs (PartTimeout is no Exception)
+                    cell["status"] = "error: " + ("out of memory" if is_oom(e) else one_line(e))
+                    if w.cuda:
+                        torch.cuda.empty_cache()
+        del q, k, v
+    rec["paths"] = sorted({x["path"] for x in rec["cells"] if x.get("impl") == "ours" and x.get("path")})
 
 
-def _rows(rows: list[dict], cols: list[tuple], keys: int = 1) -> list[str]:
-    """A table of result rows, a column per (header, key or function of the row); a row that did
-    not run shows its first ``keys`` cells and then its status."""
-    body = [[_cell(f(r) if callable(f) else r.get(f)) for _, f in cols] if r.get("status", "ok") == "ok" else
-            [r.get(f) for _, f in cols[:keys]] + [r.get("status")] + ["-"] * (len(cols) - keys - 1) for r in rows]
-    return [format_table([h for h, _ in cols], body), ""] if body else []
+def triage_row(w: Window, rec: dict) -> None:
+    """The Triton kernels' configs, each in its own process (``benchmarks.gpu_triage``)."""
+    if not w.cuda:
+        raise Skip("skipped: the triage runs on CUDA (on the CPU the interpreter shows no fault)")
+    out = Path(rec["_out"]).with_name("triage_cases.json")
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu_triage", "--cases", "bf16,fp16,fp32,bf16_tc",
+                    "--timeout-s", str(max(5, int(w.left()) - 5)), "--out", str(out)], check=False, timeout=w.left())
+    rec["cases"] = json.loads(out.read_text()) if out.is_file() else "no result"
 
 
-def _mfu(r):
-    return _pct(r["mfu"]) or _cell(r["mfu"])
+RUNNERS = {"train": train_row, "decode": decode_row, "op": op_row, "checks": lambda w, rec: rec.update(gpu_checks.run(w)),
+           "triage": triage_row}
 
 
-def _training(p: dict) -> list[str]:
-    out = [f"Preset `{p.get('preset')}` ({fmt(p.get('params', 0) / 1e6)}M parameters), sequence {p.get('seq')}, "
-           f"{p.get('autocast')} autocast, {p.get('optimizer')}. Data: {p.get('data')}. {p.get('batch_note', '')}", ""]
-    phases = [(ph, p.get(ph)) for ph in ("eager", "eager_triton", "compiled") if p.get(ph) is not None]
-    out += _rows([dict(r, phase=ph) for ph, r in phases if isinstance(r, dict)],
-                 [("phase", "phase"), ("attention path", "path"), ("batch", "batch"), ("tokens/s", "tokens_per_s"),
-                  ("MFU (bf16 peak)", _mfu), ("ms/step", "ms_per_step"), ("peak MiB", "peak_memory_mib"),
-                  ("compile s", "compile_s"), ("timed steps", "timed_steps"), ("last loss", "last_loss")])
-    why = [f"- {ph}: {r}" for ph, r in phases if not isinstance(r, dict)]
-    out += why + ([""] if why else [])
-    if isinstance(p.get("compiled"), dict):
-        c = p["compiled"]
-        out += [f"Compiled vs eager, first compiled step's loss on one batch: {c['first_step_loss_compiled']:.4f} vs "
-                f"{c['same_batch_loss_eager']:.4f} eager; speedup {p.get('compiled_speedup', 0):.2f}x "
-                f"({p.get('compiled_speedup_note', '')}).", ""]
-    curve = p.get("loss_curve", [])
-    if curve:
-        stride = max(1, len(curve) // 16)
-        pts = curve[::stride] + ([curve[-1]] if (len(curve) - 1) % stride else [])
-        out += ["Loss curve (nats/byte; step: loss): " + ", ".join(f"{s}: {l:.3f}" for s, l, _ in pts), ""]
-    return out + [f"- {n}" for n in p.get("notes", [])] + [""]
+def plan() -> dict:
+    rows = [{"row": n, "budget_s": b} for n, b, _, _ in ROWS]
+    return {"window_s": WINDOW_S, "setup_s": SETUP_S, "rows": rows, "total_s": SETUP_S + sum(r["budget_s"] for r in rows)}
 
 
-def _compare(p: dict) -> list[str]:
-    out = [f"Preset `{p.get('preset')}`, {p.get('tokens_per_step')} tokens per step (batch x N), "
-           f"{p.get('autocast')} autocast, {p.get('optimizer')}; attention backend: {p.get('backend')}. "
-           f"Data: {p.get('data')}.", ""]
-    out += _rows(p.get("rows", []), [("attention", "position"), ("N", "N"), ("batch", "batch"),
-                                     ("tokens/s", "tokens_per_s"), ("MFU (bf16 peak)", _mfu), ("ms/step", "ms_per_step"),
-                                     ("compile s", "compile_s"), ("peak MiB", "peak_memory_mib"), ("path", "path"),
-                                     ("compiled", "compile")], keys=2)
-    if p.get("vs_softmax"):
-        out += ["Tokens/s over softmax's at the same N: " + ", ".join(f"{k}: {v:.2f}x" for k, v in p["vs_softmax"].items())
-                + ".", ""]
-    return out
-
-
-def _generation(p: dict) -> list[str]:
-    return [f"Preset `{p.get('preset')}`, batch {p.get('batch')}, {p.get('steps')} timed steps, "
-            f"{p.get('autocast')} autocast, {p.get('decoding')}.", ""] + \
-        _rows(p.get("rows", []), [("context", "context"), ("prefill tokens/s", "prefill_tokens_per_s"),
-                                  ("decode tokens/s", "decode_tokens_per_s"), ("ms/step", "ms_per_step"),
-                                  ("peak MiB", "peak_memory_mib")])
-
-
-def render(result: dict) -> str:
-    dev = result["device"]
-    out = ["## GPU check and benchmark (`python -m benchmarks.gpu`)", ""]
-    if result.get("cpu_mode_note") or result.get("quick"):
-        out += [f"**{result.get('cpu_mode_note') or 'Quick mode: toy sizes, figures mean nothing.'}**", ""]
-    out += [f"- Command: `{result['command']}` (started {result['started_utc']} UTC"
-            + (f", {fmt(result['wall_s'] / 60)} min, exit code {result['exit_code']})" if result.get("finished") else
-               ", not finished)"),
-            f"- Device: {dev.get('name')}" + (f", {dev.get('memory_gib')} GiB, compute capability {dev.get('capability')}"
-                                              if dev.get("type") == "cuda" else "")
-            + f"; torch {dev.get('torch')}, CUDA {dev.get('cuda')}; dense bf16 peak "
-            + (f"{fmt(dev['bf16_peak_tflops'])} TFLOP/s" if dev.get("bf16_peak_tflops") else "unknown (fractions n/a)")
-            + f"; TF32 matmuls {'on' if result.get('tf32') else 'off'}",
-            f"- Budget: {fmt(result['budget_s'])} s over all parts; JSON: `{result['name']}.json` beside this file", ""]
-    parts = result["parts"]
-    render_part = {"compare": _compare, "correctness": _correctness, "op_speed": _speed, "training": _training,
-                   "generation": _generation}
-    for name in ("compare", "correctness", "op_speed", "training", "generation"):
-        p = parts[name]
-        out += _head(p["title"], p)
-        if not p.get("status", "").startswith("not "):  # not run (--parts) / not reached
-            out += render_part[name](p)
-    out += ["### 5. CPU mode", "",
-            "`python -m benchmarks.gpu --device cpu --quick` runs parts 0-4 at toy sizes in under a minute (a CI "
-            "test does); what the CPU cannot run says \"" + NEEDS_CUDA + "\". "
-            + ("This run was on the CPU." if dev.get("type") == "cpu" else "This run was on CUDA."), ""]
-    return "\n".join(out)
-
-
-def parse(argv):
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda (default when available) or cpu")
-    p.add_argument("--quick", action="store_true", help="toy sizes: every part in under a minute on a CPU")
-    p.add_argument("--out", default=str(BENCH_DIR / "results" / "gpu.json"),
-                   help="the JSON file; the Markdown section goes beside it with the suffix .md")
-    p.add_argument("--data", default=None, help="byte corpus for the training part (.bz2/.gz/.xz/raw); "
-                   "default: the shared enwiki sample if found, else random bytes (noted)")
-    p.add_argument("--parts", default=",".join(ORDER[1:]), help=f"comma-separated subset of {','.join(ORDER)} (default: all but compare)")
-    p.add_argument("--check", action="store_true", help="part 1 (correctness) only")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-time budget of all parts, seconds (default 480; 50 with --quick)")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="time torch.compile in the training part (auto: on CUDA only)")
-    p.add_argument("--train-batch", type=int, default=None, help="training batch (default 16; 4 with --quick); "
-                   "halved on out-of-memory")
-    p.add_argument("--gen-batch", type=int, default=None, help="decoding batch (default 8; 2 with --quick)")
-    p.add_argument("--tf32", action="store_true", help="allow TF32 for float32 matmuls (the op computes in "
-                   "float32); off by default, recorded in the JSON")
-    a = p.parse_args(argv)
-    parts = ["correctness"] if a.check else [s.strip() for s in a.parts.split(",") if s.strip()]
-    bad = sorted(set(parts) - set(ORDER))
-    if bad:
-        p.error(f"--parts: unknown {bad}; choose from {list(ORDER)}")
-    a.parts = parts
-    return a
-
-
-def _write(result: dict, out: Path) -> None:
-    write_json(result, out)
-    out.with_suffix(".md").write_text(render(result))
+def render(res: dict) -> str:
+    out = [f"## The GPU window (`{res['command']}`)", "", f"- Device: {res['device'].get('name')}; torch "
+           f"{res['device'].get('torch')}; started {res['started_utc']} UTC; {fmt(res.get('wall_s'))} s of a "
+           f"{fmt(res['window_s'])} s window" + ("; **quick: toy sizes, figures mean nothing**" if res["quick"] else ""), ""]
+    rows = res["rows"]
+    tr = [[r["row"], r.get("path", "-"), r.get("tokens_per_s"), r.get("mfu"), r.get("ms_per_step"), r.get("compile_s"),
+           r.get("peak_memory_mib"), r["status"]] for r in rows if r["row"].startswith("train")]
+    out += [format_table(["row", "attention path", "tokens/s", "MFU", "ms/step", "compile s", "peak MiB", "status"], tr), ""]
+    de = [[r["row"], r.get("batch"), r.get("context"), r.get("ms_per_step"), r.get("graphs_compiled_timed"),
+           r["status"]] for r in rows if r["row"].startswith("decode")]
+    out += [format_table(["row", "batch", "context", "ms/token", "graphs compiled while timed", "status"], de), ""]
+    for r in rows:
+        if r["row"] == "op" and r.get("cells"):
+            out += [format_table(["impl", "N", "mode", "ms", "path / status"],
+                                 [[x["impl"], x["N"], x["mode"], x.get("ms"), x.get("path") or x["status"]]
+                                  for x in r["cells"]]), ""]
+        if r["row"] == "checks" and "passed" in r:
+            out += [f"Checks on the default path: {r['passed']} passed, {len(r['failed'])} failed"
+                    + (": " + "; ".join(r["failed"]) if r["failed"] else "") + f"; paths: {r.get('paths')}", ""]
+    out += [f"- {r['row']}: {r['status']}" for r in rows if r["status"] != "ok"]
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    a = parse(argv)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="toy sizes (the CPU dry run)")
+    p.add_argument("--out", default=str(RESULTS_DIR / "gpu"), help="folder of the rows' JSON, window.json and .md")
+    p.add_argument("--rows", default=None, help=f"comma-separated subset of {', '.join(r[0] for r in ROWS)}")
+    p.add_argument("--window-s", type=float, default=WINDOW_S - SETUP_S, help="seconds for the rows (default %(default)s)")
+    p.add_argument("--until", type=float, default=None, help="the window ends at this time (seconds since the epoch; "
+                   "gpu_plan.sh: its start + 570 s), instead of --window-s from now")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="compile the training rows' "
+                   "blocks (auto: on CUDA)")
+    p.add_argument("--data", default=None, help="byte corpus for the training rows (default: the sample, or random bytes)")
+    p.add_argument("--plan", action="store_true", help="print the rows and their budgets as JSON, run nothing")
+    a = p.parse_args(argv)
+    if a.plan:
+        print(json.dumps(plan()))
+        return 0
+    names = [r[0] for r in ROWS]
+    keep = names if a.rows is None else [s.strip() for s in a.rows.split(",") if s.strip()]
+    if set(keep) - set(names) or not keep:
+        p.error(f"--rows: unknown {sorted(set(keep) - set(names))}; choose from {', '.join(names)}")
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: CUDA is not available here; use --device cpu", file=sys.stderr)
-        return 2
-    if device.type == "cpu":
-        torch.set_num_threads(1 if a.quick else torch.get_num_threads())  # 1: no OpenMP spinning on shared cores
-    budget = a.budget_s or (50.0 if a.quick else 480.0)
-    ctx = Ctx(device=device, quick=a.quick, data=a.data, train_batch=a.train_batch, gen_batch=a.gen_batch,
-              compile=a.compile == "on" or (a.compile == "auto" and device.type == "cuda"))
+        p.error("--device cuda: CUDA is not available here; use --device cpu")
+    if device.type == "cpu" and a.quick:
+        torch.set_num_threads(1)
+    if a.until is not None:
+        a.window_s = a.until - time.time()
+    w = Window(device, a.quick, a.window_s, a.compile == "on" or (a.compile == "auto" and device.type == "cuda"), a.data)
     out = Path(a.out)
-    ctx.save = lambda: _write(result, out)
-    t_start = time.perf_counter()
-    result: dict = {
-        "name": out.stem, "command": " ".join(["python -m benchmarks.gpu", *argv]), "quick": a.quick,
-        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "budget_s": budget,
-        "device": device_info(device), "tf32": a.tf32, "finished": False,
-        "cpu_mode_note": None if device.type == "cuda" else
-        f"CPU mode: toy sizes, figures mean nothing; flash, fla and CUDA memory: {NEEDS_CUDA}",
-        "parts": {name: {"title": PARTS[name][0], "status": "not reached (the run stopped before it)" if name in a.parts
-                         else "not run (--parts)"} for name in ORDER},
-    }
-    shares = sum(PARTS[n][2] for n in a.parts)
-    for name in (n for n in PARTS if n in a.parts):
-        title, runner, share = PARTS[name]
-        left = budget - (time.perf_counter() - t_start)
-        rec = result["parts"][name] = {"title": title, "status": "running", "budget_s": max(0.0, budget * share / shares)}
-        if name == "training" or a.quick:  # training runs last and may use what the others left; toy sizes
-            rec["budget_s"] = max(rec["budget_s"], left)  # need no shares, only the cap on the whole run
-        print(f"== {title} (budget {rec['budget_s']:.0f} s)", flush=True)
-        # TF32 (--tf32) only where speed is measured: the checks' float32 tolerances assume float32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = a.tf32 and name != "correctness"
-        ctx.start_part(rec["budget_s"])
-        ctx.save()  # "running" in the file until it ends: a run killed from outside shows where
-        t0 = time.perf_counter()
-        try:
-            with deadline(rec["budget_s"] + GRACE_S):
-                runner(ctx, rec)
-            rec["status"] = "ok"
-        except PartTimeout as e:
-            rec["status"], rec["error"] = "timed out", f"{e}; what it measured before is kept"
-        except Exception as e:  # recorded with its one-line message, never dropped
-            rec["status"], rec["error"] = "error", one_line(e)
-            traceback.print_exc()
-        rec["wall_s"] = time.perf_counter() - t0
-        print(f"   {name}: {rec['status']}{' (' + rec['error'] + ')' if 'error' in rec else ''}, "
-              f"{rec['wall_s']:.1f} s", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        _write(result, out)
-    corr = result["parts"]["correctness"]
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"command": " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])]),
+           "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "device": device_info(device),
+           "quick": a.quick, "window_s": a.window_s, "plan": plan(), "rows": [], "finished": False}
     code = 0
-    if "correctness" in a.parts and (corr["status"] != "ok" or corr.get("failed")):
-        code = 1
-    elif any(p["status"] == "error" for p in result["parts"].values()):
-        code = 2
-    result.update(finished=True, wall_s=time.perf_counter() - t_start, exit_code=code)
-    _write(result, out)
-    if corr.get("failed"):
-        print("FAILED checks:\n  " + "\n  ".join(corr["failed"]))
-    print(f"correctness: {corr.get('passed', '-')} passed, {len(corr.get('failed', []))} failed; "
-          f"wall {result['wall_s']:.0f} s; exit {code}")
-    print(f"wrote {out.with_suffix('.md')}")
-    print(f"wrote {out}")
-    return code
 
+    def save():
+        write_json(res, out / "window.json")
+        (out / "window.md").write_text(render(res))
+    for name, budget, kind, kw in (r for r in ROWS if r[0] in keep):
+        rec = {"row": name, "budget_s": budget, "start_s": w.spent(), "_out": str(out / f"{name}.json")}
+        left = a.window_s - w.spent()
+        if left < budget and not a.quick:  # quick: toy sizes; the budgets are the GPU's
+            rec["status"] = f"skipped: {left:.0f} s left in the window, the row's budget is {budget} s"
+        else:
+            print(f"== {name} (budget {budget} s, {w.spent():.0f} s into the window)", flush=True)
+            w.row_end = time.perf_counter() + (max(budget, left) if a.quick else budget) + GRACE_S
+            try:
+                with deadline(w.left()):
+                    RUNNERS[kind](w, rec, **kw)
+                rec["status"] = "ok"
+            except PartTimeout as e:
+                rec["status"] = f"timed out: {e}; what it measured is kept"
+            except Skip as e:
+                rec["status"] = str(e.args[0])
+            except Exception as e:  # noqa: BLE001 - recorded with its one-line message, and the next row runs
+                rec["status"], code = "error: " + ("out of memory" if is_oom(e) else one_line(e)), 2
+                traceback.print_exc()
+            if w.cuda:
+                torch.cuda.empty_cache()
+        rec["wall_s"], code = w.spent() - rec["start_s"], max(code, 1 if rec.get("failed") else 0)
+        rec.pop("_out")
+        res["rows"].append(rec)
+        res["wall_s"] = w.spent()
+        write_json(rec, out / f"{name}.json")
+        save()
+        print(f"   {name}: {rec['status']}, {rec['wall_s']:.1f} s", flush=True)
+    res.update(finished=True, exit_code=code)
+    save()
+    print(f"wrote {out / 'window.json'}")
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,11 @@
-"""Part 1 of ``benchmarks.gpu``: is every path right on the device?
+"""The checks row of ``benchmarks.gpu``: is the default path right on the device?
 
+Every keyword case in float64, float32, bfloat16 and float16 on the path a user's call takes
+(``LINEAR_ROPE_BACKEND`` unset: auto; each check records the path), against the naive op in
+float64 on the same rounded inputs; strict causality; step = forward; finite training steps.
 How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_checks``).
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -14,12 +15,10 @@ from linear_rope import (
     rotary_linear_attention_step,
 )
 
-from linear_rope.ops.triton.dispatch import use_backend
-from linear_rope.ops.tolerances import HALF_CONTRACT, check, rounded_error, tolerance, triton_tolerance
+from linear_rope.ops.tolerances import HALF_CONTRACT, check, rounded_error, tolerance
+from linear_rope.ops.triton import record_paths
 
-from .common import NEEDS_CUDA, Ctx, one_line
-
-__all__ = ["run", "tolerance", "triton_tolerance"]  # the tolerances live in linear_rope.ops.tolerances
+from .common import one_line
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 FULL = dict(B=2, H=3, N=300, d=64, m=266)  # paper head dims; N > one 256-token block
@@ -134,17 +133,17 @@ def _run(op, call, xs, W, ups=None):
     return out, st, grads, ups
 
 
-def _check_case(name, inputs, call, dtype, ctx: Ctx, W32, op=rotary_linear_attention, tol=None) -> dict:
-    """One keyword case on one path: the public op on the torch path (forced: on CUDA it would
-    take the kernels), or ``op`` = the Triton kernels' entry point."""
-    tol = tol or tolerance(dtype)
-    path = "torch path" if op is rotary_linear_attention else "triton kernels"
-    rec = {"check": name, "path": path, "dtype": str(dtype)[6:], "rtol": tol["rtol"], "atol": tol["atol"],
+def _check_case(name, inputs, call, dtype, ctx, W32) -> dict:
+    """One keyword case on the default path (``LINEAR_ROPE_BACKEND`` as set; unset: auto), the
+    path it took recorded, against the naive op in float64 on the same rounded inputs."""
+    tol = tolerance(dtype)
+    rec = {"check": name, "dtype": str(dtype)[6:], "rtol": tol["rtol"], "atol": tol["atol"],
            "grad_atol": tol["grad_atol"], "why": tol["why"]}
     xs = [t.to(ctx.device, dtype).requires_grad_() for t in inputs]
     refs = [t.detach().double().requires_grad_() for t in xs]  # the same rounded values
-    with use_backend("torch" if path == "torch path" else "auto"):
-        out, st, grads, ups = _run(op, call, xs, W32.double() if dtype == torch.float64 else W32)
+    with record_paths() as paths:
+        out, st, grads, ups = _run(rotary_linear_attention, call, xs, W32.double() if dtype == torch.float64 else W32)
+    rec["path"] = "; ".join(dict.fromkeys(paths)) or "not recorded"
     rout, rst, rgrads, _ = _run(naive_rotary_linear_attention, call, refs, W32.double(), ups)
     names = ["out", *("S", "z")[:len(st)], "dq", "dk", "dv"]
     fast, ref = [out, *st, *grads], [rout, *rst, *rgrads]
@@ -161,48 +160,13 @@ def _check_case(name, inputs, call, dtype, ctx: Ctx, W32, op=rotary_linear_atten
                 contract &= errs[n]["over_fp32_rounded"] <= HALF_CONTRACT
     worst = max(e["worst_over_tol"] for e in errs.values())
     rec.update(errors=errs, worst_over_tol=worst, max_rel_to_max=max(e["max_rel_to_max"] for e in errs.values()),
-               naive_fp32_max_rel_to_max=max((e.get("naive_fp32_max_rel_to_max", 0.0) for e in errs.values())),
                passed=bool(worst <= 1.0 and contract))
     if not contract:
         rec["error"] = f"more than {HALF_CONTRACT}x float32 rounded to {str(dtype)[6:]}"
     return rec
 
 
-def _triton_checks(ctx: Ctx, cases: dict, W32, attempt) -> str:
-    """The Triton kernels (``linear_rope.ops.triton``) on every case they take, against the same
-    float64 reference; the cases they route to the torch path are listed, not checked."""
-    from linear_rope.ops.triton import supports, triton_available
-
-    if not ctx.cuda:
-        return f"{NEEDS_CUDA} (the Triton kernels; the CPU checks them in tests/test_triton.py)"
-    if not triton_available():
-        return "skipped: triton is not installed"
-    from linear_rope.ops.triton import rotary_linear_attention as triton_op
-
-    routed = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for name, (inputs, call) in cases.items():
-            probe = [t[:, :, :2].to(ctx.device, dtype) for t in inputs]
-
-            def taken(q, k, v, **kw):  # the call's own keywords, judged by ``supports``
-                ok, why = supports(q, k, v, **kw)
-                if not ok:
-                    raise LookupError(why)
-                return q
-            try:
-                call(taken, *probe, W32)
-            except LookupError as e:
-                if dtype == torch.float32:
-                    routed.append(f"{name} ({e})")
-                continue
-            except Exception:  # noqa: BLE001 - the probe's shapes; the real call below decides
-                pass
-            attempt(f"triton: {name}", dtype, _check_case, f"triton: {name}", inputs, call, dtype, ctx, W32,
-                    op=triton_op, tol=triton_tolerance(dtype))
-    return "routed to the torch path: " + "; ".join(routed) if routed else "every case taken"
-
-
-def _layer_context(ctx: Ctx, s: dict) -> dict:
+def _layer_context(ctx, s: dict) -> dict:
     """The layer's ``context=`` / ``context_mask=`` against the naive op on the layer's own
     projections, float64."""
     tol = tolerance(torch.float64)
@@ -224,7 +188,7 @@ def _layer_context(ctx: Ctx, s: dict) -> dict:
     return _record("layer context= / context_mask=", torch.float64, tol, {"out": check(out, ref, tol)})
 
 
-def _causality_op(ctx: Ctx, s: dict, dtype) -> dict:
+def _causality_op(ctx, s: dict, dtype) -> dict:
     g = torch.Generator().manual_seed(3)
     q, k, v = (t.to(ctx.device, dtype) for t in _case_inputs(s, g))
     W = FavorFeatures(s["d"], s["m"]).projection.to(ctx.device)
@@ -238,7 +202,7 @@ def _causality_op(ctx: Ctx, s: dict, dtype) -> dict:
     return _causal(f"strict causality: op, change from t={t0}", dtype, a, b, t0, 2)
 
 
-def _causality_lm(ctx: Ctx, s: dict, dtype) -> dict:
+def _causality_lm(ctx, s: dict, dtype) -> dict:
     torch.manual_seed(0)
     model = PerformerLM.from_preset("tiny").to(ctx.device)
     N = s["N"]
@@ -253,7 +217,7 @@ def _causality_lm(ctx: Ctx, s: dict, dtype) -> dict:
                    t0, 1)
 
 
-def _step_op(ctx: Ctx, s: dict, dtype) -> dict:
+def _step_op(ctx, s: dict, dtype) -> dict:
     tol = tolerance(dtype)
     g = torch.Generator().manual_seed(5)
     q, k, v = (t.to(ctx.device, dtype) for t in _case_inputs(s, g))
@@ -269,7 +233,7 @@ def _step_op(ctx: Ctx, s: dict, dtype) -> dict:
                    {"out": check(torch.stack(outs, 2), full, tol), "S": check(state.S, S, tol), "z": check(state.z, z, tol)})
 
 
-def _step_lm(ctx: Ctx, s: dict, dtype) -> dict:
+def _step_lm(ctx, s: dict, dtype) -> dict:
     tol = tolerance(dtype)
     torch.manual_seed(0)
     model = PerformerLM.from_preset("tiny").to(ctx.device, dtype).eval()
@@ -301,23 +265,21 @@ def _first_nonfinite(model: torch.nn.Module):
     return first, [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
 
 
-def _train_finite(ctx: Ctx, preset: str, dtype, *, batch: int, seq: int, steps: int, backend: str | None = None) -> dict:
+def _train_finite(ctx, preset: str, dtype, *, batch: int, seq: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = PerformerLM.from_preset(preset).to(ctx.device)
     first, hooks = _first_nonfinite(model)
-    on_path = (lambda: use_backend(backend)) if backend else contextlib.nullcontext  # None: LINEAR_ROPE_BACKEND or auto
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
     g = torch.Generator().manual_seed(7)
     losses, norms = [], []
     for _ in range(steps):
         ids = torch.randint(0, 256, (batch, seq + 1), generator=g).to(ctx.device)
-        with torch.autocast(ctx.device.type, dtype=dtype), on_path():
+        with torch.autocast(ctx.device.type, dtype=dtype):
             logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, 256), ids[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
-        with on_path():
-            scaler.scale(loss).backward()
+        scaler.scale(loss).backward()
         scaler.unscale_(opt)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         scaler.step(opt)
@@ -330,12 +292,12 @@ def _train_finite(ctx: Ctx, preset: str, dtype, *, batch: int, seq: int, steps: 
     params_ok = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     ok = all(map(finite, losses)) and params_ok and (applied == steps if dtype != torch.float16 else applied >= 1)
     return {"check": f"training steps finite: {preset} preset, {batch}x{seq}, {str(dtype)[6:]} autocast"
-                     + (" + GradScaler" if dtype == torch.float16 else "") + (f", {backend} path" if backend else ""),
+                     + (" + GradScaler" if dtype == torch.float16 else ""),
             "dtype": str(dtype)[6:], "losses": losses, "grad_norms": norms, "steps_applied": applied,
             "first_nonfinite_module": first[0] if first else None, "passed": ok}
 
 
-def run(ctx: Ctx) -> dict:
+def run(ctx) -> dict:
     """Every check; each records its measured error and pass/fail (or its error)."""
     s = QUICK if ctx.quick else FULL
     torch.manual_seed(0)  # the FAVOR+ projections and the models
@@ -344,7 +306,7 @@ def run(ctx: Ctx) -> dict:
     def attempt(name, dtype, fn, *args, **kw):
         if ctx.left() <= 0:
             checks.append({"check": name, "dtype": str(dtype)[6:], "passed": False,
-                           "error": "skipped: part budget spent before this check"})
+                           "error": "skipped: row budget spent before this check"})
             return
         try:
             checks.append(fn(*args, **kw))
@@ -356,7 +318,6 @@ def run(ctx: Ctx) -> dict:
     for dtype in DTYPES:
         for name, (inputs, call) in cases.items():
             attempt(name, dtype, _check_case, name, inputs, call, dtype, ctx, W32)
-    triton_note = _triton_checks(ctx, cases, W32, attempt)
     attempt("layer context", torch.float64, _layer_context, ctx, s)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         attempt("causality op", dtype, _causality_op, ctx, s, dtype)
@@ -366,13 +327,11 @@ def run(ctx: Ctx) -> dict:
         attempt("step LM", dtype, _step_lm, ctx, s, dtype)
     for dtype in (torch.bfloat16, torch.float16):
         attempt("train tiny", dtype, _train_finite, ctx, "tiny", dtype, batch=4, seq=64, steps=3)
-    if ctx.cuda:  # the device check that once turned NaN at its third step, on each path
-        for backend in ("torch", "triton"):
-            attempt(f"train paper fp16, {backend} path", torch.float16, _train_finite, ctx, "paper", torch.float16,
-                    batch=2, seq=1024, steps=4, backend=backend)
+    if ctx.cuda:  # the device check that once turned NaN at its third step
+        attempt("train paper fp16", torch.float16, _train_finite, ctx, "paper", torch.float16, batch=2, seq=1024, steps=4)
     else:
         checks.append({"check": "training steps finite: paper preset fp16", "dtype": "float16", "passed": None,
                        "error": "skipped: needs CUDA (the paper preset is too slow for the CPU quick mode)"})
     failed = [c["check"] + " / " + c["dtype"] for c in checks if c["passed"] is False]
     return {"sizes": s, "checks": checks, "passed": sum(c["passed"] is True for c in checks), "failed": failed,
-            "triton": triton_note}
+            "paths": sorted({c["path"] for c in checks if "path" in c})}

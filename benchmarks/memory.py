@@ -7,15 +7,57 @@ How it measures: docs/performance.md, "Methods" (``benchmarks.memory``).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
+import os
+import resource
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from linear_rope import FavorFeatures
 
 from .attention import D, IMPLS, M, make_call, make_inputs, make_op, make_performer, skip_reason
-from .common import cli, fmt, peak_rss_mib, report, reset_peak_rss, run_child, setup, target, time_call
+from .common import REPO_ROOT, cli, fmt, report, setup, target, time_call
+
+def peak_rss_mib() -> float:
+    """High-water resident set of this process, MiB: ``VmHWM`` of /proc/self/status on Linux (not
+    ``ru_maxrss``: a child inherits its parent's peak there across fork + exec); ``ru_maxrss`` elsewhere."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS
+
+
+def reset_peak_rss() -> bool:
+    """Lower this process's high-water RSS (``VmHWM``) to its current RSS (Linux >= 4.0), so that
+    the import-time peak does not hide a smaller peak of the op after it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(module: str, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 900) -> dict:
+    """Run ``python -m <module> --one <args>`` in a fresh process (``env`` added): its last stdout
+    line's JSON, or ``{"error": ...}`` when the child fails (e.g. killed for memory)."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, "--one", *args], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
 
 NAME = "memory"
 MODES = ("fwd", "fwd+bwd")

@@ -7,8 +7,8 @@
 
 Run from the repository root. BENCHMARKS.md is generated: edit this file, not that one. Besides
 each benchmark's JSON it writes ``summary.json`` (every target with PASS/MISS, the machine, its
-GEMM rate and the load average before and after), and appends ``benchmarks/results/gpu.md``
-(written by ``python -m benchmarks.gpu`` on a GPU machine) when that file exists.
+GEMM rate and the load average before and after), and appends ``benchmarks/results/gpu/window.md``
+(written by ``python -m benchmarks.gpu`` on a GPU) when that file exists.
 
 ``busy_neighbour`` (a run beside a busy loop, about 18 min) is not part of the default run: it
 runs with ``--only busy_neighbour``, and its section is shown only in the run that ran it.
@@ -33,7 +33,7 @@ from .common import (
 BENCHMARKS = {m.NAME: m for m in (attention, keywords, memory, compile_bench, training, generation, lm_training, leak,
                                    bounds)}
 OPT_IN = {busy_neighbour.NAME: busy_neighbour}  # only with --only
-GPU_MD = RESULTS_DIR / "gpu.md"
+GPU_MD = RESULTS_DIR / "gpu" / "window.md"
 
 
 def misses_section(results: dict[str, dict]) -> list[str]:

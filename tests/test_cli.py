@@ -164,6 +164,8 @@ EARLY = [  # (argv, text in the one error line)
     (["--seeds", str(2**64)], "seed must be in [0, 4294967295]"),
     (["--grad-accum", str(10**17)], "tokens per step is above the sanity cap"),  # drew 10**17 offsets at once
     (["--threads", "100000"], "threads 100000 is more than 4 per CPU core"),  # thousands of threads failed to start
+    # a CUDA graph's replay overwrites the outputs the previous micro-batch's backward still needs
+    (["--compile-mode", "reduce-overhead", "--grad-accum", "2"], "reduce-overhead (CUDA graphs) takes grad_accum 1"),
 ]
 if not torch.cuda.is_available():
     EARLY.append((["--device", "cuda"], "CUDA is not available"))

@@ -1,9 +1,8 @@
-"""``python -m benchmarks.gpu``: the CPU quick mode runs every part and names it; CUDA-only parts
-say so; failures reach the exit code. No timing asserts. Outputs go to a temporary directory."""
-import importlib.util
+"""``python -m benchmarks.gpu``, the GPU window: its rows in order at toy sizes on the CPU, each
+row's JSON as it ends, skips with their reasons, decoding timed at the shapes it warmed up on,
+the budgets within 570 s. No timing asserts. Outputs go to a temporary directory."""
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,117 +16,10 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
 
 from benchmarks import gpu  # noqa: E402
 from benchmarks.common import NEEDS_CUDA, bf16_peak_tflops  # noqa: E402
-from benchmarks.gpu_speed import crossover  # noqa: E402
 
-PARTS = ("compare", "correctness", "op_speed", "training", "generation")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _run(out: Path, *args: str, timeout: float = 170) -> tuple[subprocess.CompletedProcess, dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", *args, "--out", str(out / "gpu.json")],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert (out / "gpu.json").is_file(), proc.stderr[-3000:]
-    return proc, json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
-
-
-@pytest.fixture(scope="module")
-def cpu_quick(tmp_path_factory):
-    results = ROOT / "benchmarks/results"
-    before = {p: p.stat().st_mtime_ns for p in results.glob("gpu*")}
-    out = tmp_path_factory.mktemp("gpu")
-    res = _run(out, "--device", "cpu", "--quick")
-    assert {p: p.stat().st_mtime_ns for p in results.glob("gpu*")} == before, "a quick run wrote into benchmarks/results"
-    return res
-
-
-def test_cpu_quick_runs_every_part(cpu_quick):
-    proc, data, md = cpu_quick
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert data["finished"] and data["exit_code"] == 0 and data["quick"]
-    assert set(data["parts"]) == set(PARTS)
-    for name, part in data["parts"].items():
-        if name == "compare":  # the training table runs when named (the 10-minute run names it first)
-            assert part["status"] == "not run (--parts)"
-            continue
-        assert part["status"] == "ok", (name, part.get("error"))
-        assert f"### {part['title']}" in md
-    assert "### 5. CPU mode" in md
-    assert proc.stdout.strip().splitlines()[-1] == f"wrote {Path(data['command'].split('--out ')[1])}"
-
-
-def test_cpu_quick_correctness_all_pass(cpu_quick):
-    _, data, md = cpu_quick
-    corr = data["parts"]["correctness"]
-    assert corr["failed"] == []
-    checks = corr["checks"]
-    assert {c["dtype"] for c in checks} >= {"float64", "float32", "bfloat16", "float16"}
-    for c in checks:
-        assert c["passed"] is True or c.get("error", "").startswith(NEEDS_CUDA), c
-    names = " ".join(c["check"] for c in checks)
-    for word in ("mask", "cu_seqlens", "initial_state", "chaining", "key_mask", "context", "causality", "step",
-                 "training steps finite"):
-        assert word in names, word
-    causal = [c for c in checks if c["check"].startswith("strict causality")]
-    assert causal and all(c["max_abs_before_t0"] == 0.0 and c["max_abs_from_t0"] > 0 for c in causal)
-    assert "47 checks passed, 0 failed" in md or f"{corr['passed']} checks passed, 0 failed" in md
-
-
-def test_cpu_quick_says_what_needs_cuda(cpu_quick):
-    _, data, md = cpu_quick
-    speed = data["parts"]["op_speed"]
-    assert speed["impls"]["fla_chunk"].startswith(NEEDS_CUDA)
-    assert speed["impls"]["fla_fused_chunk"].startswith(NEEDS_CUDA)
-    assert f"flash: {NEEDS_CUDA}" in speed["impls"]["sdpa"]
-    assert speed["memory"].startswith(NEEDS_CUDA)
-    assert all(v.startswith(NEEDS_CUDA) for v in speed["crossover"].values())
-    ok = [r for r in speed["rows"] if r["status"] == "ok"]
-    triton = importlib.util.find_spec("triton") is not None
-    assert {r["impl"] for r in ok} == {"ours_torch", "sdpa", "performer"} | ({"ours_triton"} if triton else set())
-    assert all(r["ms"] > 0 and r["peak_mib"] == NEEDS_CUDA for r in ok)
-    paths = {r["impl"]: r["path"] for r in speed["rows"]}  # every row names the implementation that ran
-    assert paths["ours_torch"] == "torch path" and paths["ours_triton"] == "triton kernels"
-    assert paths["ours_fla"] == "fla path" and speed["impls"]["ours_fla"].startswith(NEEDS_CUDA)
-    assert {paths["sdpa"], paths["fla_chunk"], paths["performer"]} == {"flash SDPA", "fla", "performer-pytorch"}
-    if triton:
-        assert speed["impls"]["ours_triton"].startswith("triton kernels (interpreter")
-        assert "| ours_torch ms | ours_triton ms |" in md.replace("  ", " ")
-    train = data["parts"]["training"]
-    assert train["compiled"].startswith(NEEDS_CUDA) and train["eager"]["mfu"].startswith(NEEDS_CUDA)
-    assert train["eager"]["path"].startswith("torch path") and train["eager_triton"].startswith(NEEDS_CUDA)
-    assert train["eager"]["tokens_per_s"] > 0 and len(train["loss_curve"]) >= 2
-    gen = data["parts"]["generation"]
-    assert [r["status"] for r in gen["rows"]] == ["ok", "ok"]
-    assert NEEDS_CUDA in md
-
-
-def test_cpu_quick_training_table_starts_with_softmax(tmp_path):
-    """The 10-minute run's first part: softmax first, then rope and none at the first N, each row
-    naming its attention path and its compile time; the rope and none rows compared with softmax."""
-    proc, data, md = _run(tmp_path, "--device", "cpu", "--quick", "--parts", "compare")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    part = data["parts"]["compare"]
-    rows = part["rows"]
-    n0 = rows[0]["N"]
-    assert [(r["position"], r["N"]) for r in rows[:4]] == [("softmax", n0), ("rope", n0), ("none", n0), ("rope_pre", n0)]
-    assert [r["position"] for r in rows[4:]] == ["softmax", "rope", "none"] and rows[4]["N"] == 4 * n0
-    for r in rows[:3]:
-        assert r["status"] == "ok", r
-        assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["path"] and r["compile"].startswith("eager")
-        assert r["batch"] * r["N"] == part["tokens_per_step"]
-    assert rows[0]["path"].startswith("F.scaled_dot_product_attention")
-    assert rows[1]["path"].startswith("torch path")  # on the CPU: the default path's own words
-    assert set(part["vs_softmax"]) >= {f"rope N={n0}", f"none N={n0}"}
-    assert "### 0. Training: softmax against linear attention" in md
-    assert re.search(r"^\| softmax +\| " + str(n0) + " ", md, re.M)
-
-
-def test_window_runs_the_training_table_first():
-    """benchmarks/gpu_plan.sh window: training table, decoding, op speed, correctness, triage."""
-    plan = (ROOT / "benchmarks/gpu_plan.sh").read_text()
-    body = plan[plan.index("  window)"):plan.index("  check)")]
-    order = [body.index(s) for s in ("part compare", "part generation", "part op_speed", "part correctness",
-                                     "benchmarks.gpu_triage")]
-    assert order == sorted(order)
+FIRST = ["train_softmax_1k", "train_rope_1k", "train_softmax_4k", "train_rope_4k", "decode_1k", "decode_16k", "op",
+         "checks"]
+ENV_OMP = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture
@@ -137,59 +29,108 @@ def keep_threads():
     torch.set_num_threads(n)
 
 
-def test_failures_reach_the_exit_code(tmp_path, monkeypatch, keep_threads):
-    """A failed check exits 1; a part that raises is recorded with its message and exits 2."""
-    failing = dict(gpu.PARTS)
-    failing["correctness"] = ("1. Correctness on the device",
-                              lambda ctx, res: res.update(checks=[], passed=0, failed=["planted / float64"]), 0.1)
-    monkeypatch.setattr(gpu, "PARTS", failing)
-    assert gpu.main(["--device", "cpu", "--quick", "--check", "--out", str(tmp_path / "a.json")]) == 1
+def test_plan_order_and_budgets():
+    """The rows users compare first, in this order; the budgets and the set-up within 570 s."""
+    plan = gpu.plan()
+    assert [r["row"] for r in plan["rows"]][:len(FIRST)] == FIRST
+    assert plan["total_s"] == plan["setup_s"] + sum(r["budget_s"] for r in plan["rows"]) <= plan["window_s"] == 570
+    body = (ROOT / "benchmarks/gpu_plan.sh").read_text()
+    assert "WINDOW_S:-570" in body and "benchmarks.gpu --until" in body
 
-    def boom(ctx, res):
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("window")
+    results = ROOT / "benchmarks/results"
+    before = {p: p.stat().st_mtime_ns for p in results.glob("*")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--quick", "--out", str(out)],
+                          cwd=ROOT, env={**os.environ, **ENV_OMP}, capture_output=True, text=True,
+                          timeout=400)
+    assert {p: p.stat().st_mtime_ns for p in results.glob("*")} == before, "a quick run wrote into benchmarks/results"
+    return proc, json.loads((out / "window.json").read_text()), out
+
+
+def test_quick_runs_every_row_in_order_each_with_its_json(quick):
+    proc, res, out = quick
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert res["finished"] and res["exit_code"] == 0 and res["quick"]
+    assert [r["row"] for r in res["rows"]] == [r[0] for r in gpu.ROWS]
+    for r in res["rows"]:
+        assert json.loads((out / f"{r['row']}.json").read_text()) == r  # each row's own file
+        if r["row"] == "triage":
+            assert r["status"].startswith("skipped: the triage runs on CUDA"), r
+        else:
+            assert r["status"] == "ok", r
+    assert "## The GPU window" in (out / "window.md").read_text()
+
+
+def test_quick_rows_name_what_ran(quick):
+    _, res, _ = quick
+    rows = {r["row"]: r for r in res["rows"]}
+    for name in ("train_softmax_1k", "train_rope_1k", "train_softmax_4k", "train_rope_4k"):
+        r = rows[name]
+        assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["batch"] * r["N"] == gpu.QUICK["tokens"]
+        assert r["mfu"].startswith(NEEDS_CUDA) and r["compile"].startswith("eager")
+    assert rows["train_rope_4k"]["N"] == 4 * rows["train_rope_1k"]["N"]
+    assert rows["train_rope_1k"]["path"].startswith("torch path (")  # the op's own record: why not another
+    assert rows["train_softmax_1k"]["path"].startswith("F.scaled_dot_product_attention")
+    op = rows["op"]
+    ours = [c for c in op["cells"] if c["impl"] == "ours"]
+    assert ours and all(c["status"] == "ok" and c["path"].startswith("torch path") for c in ours)
+    assert all(c["status"].startswith(NEEDS_CUDA) for c in op["cells"] if c["impl"] == "fla")
+    checks = rows["checks"]
+    assert checks["failed"] == [] and checks["passed"] >= 40
+    assert {c["dtype"] for c in checks["checks"]} >= {"float64", "float32", "bfloat16", "float16"}
+    assert any(p.startswith("torch path") for p in checks["paths"])  # the default path, not a forced one
+
+
+def test_decode_times_the_shapes_it_warmed_up_on(tmp_path):
+    """The decode row warms up and times one Decoder: the same batch and max_len, and no graph
+    compiled inside the timed steps (compiled here on the CPU, at toy sizes, so a recompile
+    would be counted: the warm-up's compile is)."""
+    torch.manual_seed(0)
+    w = gpu.Window(torch.device("cpu"), True, 300.0, False, None)
+    w.row_end = float("inf")
+    rec: dict = {}
+    gpu.decode_row(w, rec, context=1024, compile=True)
+    assert rec["shapes"]["warmup"] == rec["shapes"]["timed"] == {"batch": 2, "max_len": 64 + 3 + 8, "token": [2]}
+    assert rec["graphs_compiled_warmup"] >= 1 and rec["graphs_compiled_timed"] == 0
+    assert rec["ms_per_step"] > 0 and rec["compiled"] is True
+
+
+def test_skips_and_errors_are_recorded(tmp_path, monkeypatch, keep_threads):
+    """A row whose budget no longer fits is skipped with the reason; a row that raises is
+    recorded with its one-line message, the next row runs, and the exit code is 2."""
+    def boom(w, rec, **kw):
         raise RuntimeError("planted failure\nsecond line")
-    failing["generation"] = ("4. Generation", boom, 0.1)
-    failing["correctness"] = ("1. Correctness on the device", lambda ctx, res: res.update(checks=[], failed=[]), 0.1)
-    code = gpu.main(["--device", "cpu", "--quick", "--parts", "correctness,generation", "--out", str(tmp_path / "b.json")])
-    data = json.loads((tmp_path / "b.json").read_text())
-    assert code == 2 and data["exit_code"] == 2
-    part = data["parts"]["generation"]
-    assert (part["status"], part["error"]) == ("error", "RuntimeError: planted failure")
-    assert data["parts"]["training"]["status"] == "not run (--parts)"
-    assert "RuntimeError: planted failure" in (tmp_path / "b.md").read_text()
+    monkeypatch.setitem(gpu.RUNNERS, "checks", boom)
+    monkeypatch.setitem(gpu.RUNNERS, "train", lambda w, rec, **kw: rec.update(ran=True))
+    code = gpu.main(["--device", "cpu", "--rows", "checks,triage,train_rope_1k", "--out", str(tmp_path / "a")])
+    res = json.loads((tmp_path / "a/window.json").read_text())
+    assert code == 2 and res["exit_code"] == 2
+    assert [r["row"] for r in res["rows"]] == ["train_rope_1k", "checks", "triage"]  # ROWS' order
+    assert [r["status"] for r in res["rows"]][:2] == ["ok", "error: RuntimeError: planted failure"]
+    assert res["rows"][2]["status"].startswith("skipped: the triage runs on CUDA")
+    assert json.loads((tmp_path / "a/train_rope_1k.json").read_text())["ran"] is True
+    code = gpu.main(["--device", "cpu", "--rows", "train_softmax_1k,op", "--window-s", "58", "--out", str(tmp_path / "b")])
+    rows = json.loads((tmp_path / "b/window.json").read_text())["rows"]
+    assert code == 0 and rows[0]["status"] == "ok" and rows[0]["ran"]
+    assert rows[1]["status"].startswith("skipped: ") and "the row's budget is 60 s" in rows[1]["status"]
 
 
 def test_bf16_peaks_by_device_name():
     assert bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert bf16_peak_tflops("NVIDIA H200") == 989.0
-    assert bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert bf16_peak_tflops("NVIDIA GeForce RTX 4090") is None
-
-
-def test_crossover():
-    ns = [1024, 2048, 4096, 8192]
-    ours = {n: 1.0 * n for n in ns}
-    flash = {1024: 512.0, 2048: 2048.0 * 0.8, 4096: 4096 * 2.0, 8192: 8192 * 4.0}
-    c = crossover(ns, ours, flash)
-    assert c["n"] == 4096 and 2048 < c["estimate"] < 4096
-    assert crossover(ns, ours, {n: 0.5 * n for n in ns})["n"] is None
-    assert crossover(ns, ours, {n: 2.0 * n for n in ns}) == {"n": 1024, "estimate": None,
-                                                              "note": "ours faster already at the smallest N (1024)"}
-    assert crossover(ns, ours, {1024: "skipped"})["note"] == "not measured"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_quick(tmp_path):
-    proc, data, md = _run(tmp_path, "--device", "cuda", "--quick", "--compile", "off", timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--quick", "--rows", "train_softmax_1k,decode_1k,op",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert data["parts"]["correctness"]["failed"] == []
-    assert all(c["passed"] for c in data["parts"]["correctness"]["checks"])
-    speed = data["parts"]["op_speed"]
-    assert "flash" in speed["impls"]["sdpa"] and speed["memory"] is None
-    for r in speed["rows"]:
-        if r["impl"] in ("ours_torch", "ours_triton", "sdpa"):
-            assert r["status"] == "ok" and r["peak_mib"] >= 0, r
-        if r["impl"].startswith("fla"):
-            assert r["status"] == "ok" or r["status"].startswith("skipped: fla not installed"), r
-    assert data["parts"]["training"]["eager"]["peak_memory_mib"] > 0
-    assert all(r["status"] == "ok" for r in data["parts"]["generation"]["rows"])
+    rows = {r["row"]: r for r in json.loads((tmp_path / "window.json").read_text())["rows"]}
+    assert rows["train_softmax_1k"]["peak_memory_mib"] > 0 and rows["train_softmax_1k"]["path"].startswith("flash SDPA")
+    assert rows["decode_1k"]["graphs_compiled_timed"] == 0
+    assert all(c["status"] == "ok" for c in rows["op"]["cells"] if c["impl"] != "fla")

@@ -13,6 +13,8 @@ import torch
 from helpers import losses, run_main
 from linear_rope.enwik8.checkpoint import latest_checkpoint, load_checkpoint
 from linear_rope.enwik8.config import TrainConfig
+from linear_rope import PerformerLM
+from linear_rope.enwik8.step import compile_blocks
 from linear_rope.enwik8.trainer import Trainer, compile_unavailable
 from linear_rope.model import MODEL_PRESETS, ModelConfig
 
@@ -174,6 +176,44 @@ def test_fused_adamw_steps_like_the_for_loop_one(splits, tmp_path):
         # the steps moved the parameters far more than the bound: a wrong update would show
         moved = (p.detach().double() - start[id(p)]).abs()
         assert moved.max() > 100 * bound[id(p)].max(), (moved.max().item(), bound[id(p)].max().item())
+
+
+def test_one_compile_serves_every_block():
+    """Regional compilation (``compile_blocks``, the trainer's and the GPU window's): at depth 4
+    one graph, the logits and gradients of eager, the state_dict keys unchanged."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, ref = PerformerLM.from_preset("tiny", depth=4), PerformerLM.from_preset("tiny", depth=4)
+    ref.load_state_dict(model.state_dict())
+    keys = list(model.state_dict())
+    torch._dynamo.reset()
+    c0 = counters["stats"]["unique_graphs"]
+    assert compile_blocks(model, backend="eager").startswith("regional: the 4 blocks")
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    out, want = model(x), ref(x)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    assert counters["stats"]["unique_graphs"] - c0 == 1
+    torch.testing.assert_close(out, want)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    assert list(model.state_dict()) == keys
+
+
+def test_compile_compiles_each_block_and_names_the_path(splits, tmp_path):
+    """``--compile``: the blocks compiled in place, not the model; the header names the path the
+    compiled graph holds (no compile runs here: nothing is called)."""
+    if compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    t = trainer(splits, tmp_path, "rope", compile=True)
+    t._open()
+    try:
+        assert t.compiled and t.model._compiled_call_impl is None
+        assert all(b._compiled_call_impl is not None for b in t.model.blocks)
+        assert t.attention.startswith("torch path (") and t.attention.endswith(", compiled (default)")
+    finally:
+        t._close()
 
 
 def test_compile_without_a_cxx_compiler_trains_eagerly_with_one_info_line(splits, tmp_path, monkeypatch, capsys):

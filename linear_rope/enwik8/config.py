@@ -54,7 +54,7 @@ class TrainConfig:
     data_dir: str | None = None  # where the splits (and enwik8.zip) are cached (None: $LINEAR_ROPE_CACHE, else $XDG_CACHE_HOME/linear_rope, else ~/.cache/linear_rope)
     out: str | None = None  # experiment dir, one subdir per run (None: runs/<preset>)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    compile: bool | None = None  # model.compile(fullgraph=True) in place (None: on for CUDA, off for CPU; on CPU it needs a C++ compiler, else it trains eagerly and says so)
+    compile: bool | None = None  # each block compiled in place, fullgraph=True (step.compile_blocks) (None: on for CUDA, off for CPU; on CPU it needs a C++ compiler, else it trains eagerly and says so)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     threads: int | None = None  # torch CPU threads (None: the idle cores at start, see runtime.py)
@@ -81,6 +81,9 @@ class TrainConfig:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE)}, got {self.on_nonfinite!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.compile_mode == "reduce-overhead" and self.grad_accum > 1:  # a replay overwrites the last one's outputs
+            raise ValueError(f"compile_mode reduce-overhead (CUDA graphs) takes grad_accum 1, got {self.grad_accum}: "
+                             "raise batch_size instead, or use compile_mode default")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for f in ("decay_steps", "threads"):

@@ -30,10 +30,10 @@ command. A non-finite loss or gradient norm is not applied, and stops the run at
 logging interval (exit 3), naming that step and the last good checkpoint. Every flag is checked before any data is read
 (``cli.py``): a bad one is one line on stderr and exit 2.
 
-``--compile`` calls ``model.compile(fullgraph=True)`` in place (the whole model, one graph: the
-attention op is the custom op ``linear_rope::chunk_causal``); ``--compile-mode reduce-overhead``
-adds CUDA graphs. It is on by default on CUDA and off on the CPU: there a compiled ``cpu20m``
-step measured 0.96x eager at 1 thread (0.731 against 0.700 s; the op, the dense layers and their
+``--compile`` compiles each block in place (``step.compile_blocks``: ``fullgraph=True``, one
+compile serves every layer); ``--compile-mode reduce-overhead`` adds CUDA graphs, with
+``--grad-accum 1`` only (a replay overwrites the last one's outputs). It is on by default on
+CUDA and off on the CPU: there a ``cpu20m`` step compiled whole measured 0.96x eager at 1 thread (0.731 against 0.700 s; the op, the dense layers and their
 GEMMs are most of the step, and Inductor fuses only what is around them), and the first steps
 wait 49 s for compilation. On the CPU it needs a C++ compiler; without one the run trains eagerly
 and says so in one line. A step reads nothing back from the device: the loss and the non-finite

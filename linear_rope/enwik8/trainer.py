@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..model import ModelConfig
-from ..ops.triton.dispatch import record_paths
+from ..ops.triton.dispatch import record_paths, takes_parallel
 from . import data
 from .checkpoint import (CheckpointError, last_good_checkpoint, latest_checkpoint, load_checkpoint, nonfinite,
                          previous_checkpoint, save_checkpoint, verify_params)
@@ -37,8 +37,8 @@ from .files import atomic_write
 from .metrics import RunLog
 from .runtime import Dist, StopSignals
 from .state import TrainState
-from .step import (FEATURE_SEED_OFFSET, autocast, build_run, compile_unavailable, evaluate, make_optimizer, on_device,
-                   uses_bf16)
+from .step import (FEATURE_SEED_OFFSET, autocast, build_run, compile_blocks, compile_unavailable, evaluate,
+                   make_optimizer, on_device, uses_bf16)
 
 __all__ = ["Trainer", "TrainState", "build_run", "evaluate", "autocast", "make_optimizer", "compile_unavailable",
            "NonFiniteError", "EXIT_NONFINITE", "FEATURE_SEED_OFFSET", "NONFINITE_FILE"]
@@ -312,19 +312,22 @@ class Trainer:
 
     def attention_path(self) -> str:
         """The path the model's attention takes in training, from a two-token probe forward in
-        the training precision: "triton kernels (sm_90, triton 3.6.0)", "torch path (<why>)",
-        or softmax attention. Under ``--compile`` the graph holds the torch path's custom op."""
+        the training precision: "parallel path (<why>)", "torch path (<why>)", "triton kernels
+        (sm_90, triton 3.6.0)", or softmax attention. Compiled, the graph holds the path the probe
+        took, except the Triton kernels (they run only eagerly): then the torch ops that take it."""
         if self.mc.position == "softmax":
             return "softmax attention (torch scaled_dot_product_attention)"
-        if self.wants_compile and compile_unavailable(self.dd.device) is None:
-            mode = "" if self.tc.compile_mode == "default" else f", {self.tc.compile_mode}"
-            return f"torch path (torch.compile{mode}: the graph holds the custom op linear_rope::chunk_causal)"
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.dd.device)
         was = self.model.training
         with record_paths() as paths, torch.no_grad(), autocast(self.dd.device, self.tc.precision):
             self.model.eval()(ids)
         self.model.train(was)
-        return "; ".join(dict.fromkeys(paths)) or "no linear attention call"
+        path = "; ".join(dict.fromkeys(paths)) or "no linear attention call"
+        if self.wants_compile and compile_unavailable(self.dd.device) is None:
+            if path.startswith("triton kernels"):
+                path = f"{'parallel' if takes_parallel(ids) else 'torch'} path (the Triton kernels run only eagerly)"
+            path += f", compiled ({self.tc.compile_mode})"
+        return path
 
     def _open(self) -> None:
         """compile, DDP, and the run's logs (on rank 0 config.json, TensorBoard, the header lines)."""
@@ -332,8 +335,8 @@ class Trainer:
         self.attention = self.attention_path()
         if self.wants_compile and not self.compiled:
             why = compile_unavailable(dd.device)
-            if why is None:  # in place: state_dict keys stay clean; one graph, or an error
-                self.model.compile(fullgraph=True, mode=None if tc.compile_mode == "default" else tc.compile_mode)
+            if why is None:  # in place: state_dict keys stay clean; one compile serves every block, or an error
+                compile_blocks(self.model, mode=None if tc.compile_mode == "default" else tc.compile_mode)
                 self.compiled = True
             elif dd.lead:
                 print(f"{self.name}: info: {why}; training eagerly (--no-compile says so up front)",
