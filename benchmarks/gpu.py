@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -28,8 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from linear_rope import FavorFeatures, PerformerLM, rotary_linear_attention
 from linear_rope.decode import Decoder
 from linear_rope.enwik8.step import compile_blocks
-from linear_rope.ops.triton import record_paths
-from linear_rope.ops.triton.dispatch import takes_parallel
+from linear_rope.ops.backend import record_paths
 
 from . import gpu_checks
 from .attention import ours_flops, sdpa_flops
@@ -47,7 +45,7 @@ ROWS = (("train_softmax_1k", 55, "train", dict(position="softmax", n=1024)),
         ("decode_16k", 40, "decode", dict(context=16384)),
         ("op", 60, "op", {}),
         ("checks", 60, "checks", {}),
-        ("triage", 40, "triage", {}))
+        ("train_none_1k", 55, "train", dict(position="none", n=1024)))  # the rest: Eq. 18 beside Eq. 19
 FULL = dict(preset="paper", tokens=16 * 1024, row_s=10.0, warmup=2, corpus=1 << 26, scale=1, dec_batch=8,
             dec_warm=5, dec_steps=64, op_shape=(8, 12), op_ns=(1024, 4096, 16384), reps=10, cell_s=0.5)
 QUICK = dict(preset="tiny", tokens=4 * 64, row_s=0.5, warmup=1, corpus=1 << 20, scale=1 / 16, dec_batch=2,
@@ -90,13 +88,10 @@ def compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def compiled_label(paths: list[str], compiled: bool, q: torch.Tensor) -> str:
-    """The attention path of ``paths`` (recorded eagerly); compiled, a graph takes the parallel or
-    the torch path, never the Triton kernels (they run only eagerly)."""
+def compiled_label(paths: list[str], compiled: bool) -> str:
+    """The attention path of ``paths`` (recorded eagerly: a compiled graph holds the same path)."""
     label = "; ".join(dict.fromkeys(paths)) or "no linear attention call"
-    if compiled and label.startswith("triton kernels"):
-        label = ("parallel" if takes_parallel(q) else "torch") + " path (compiled: the Triton kernels run only eagerly)"
-    return label
+    return label + (", compiled" if compiled else "")
 
 
 def attention_kernels(w: Window, step) -> list[str] | str:
@@ -148,7 +143,7 @@ def train_row(w: Window, rec: dict, position: str, n: int) -> None:
     how = compile_blocks(model) if w.compile else "eager (compiled on CUDA; --compile on forces it)"
     rec.update(preset=c["preset"], position=position, N=seq, batch=batch, data=source, compile=how,
                autocast="bfloat16", optimizer=f"AdamW lr {LR}, betas (0.9, 0.95), weight decay 0.1, clip 1.0",
-               path=compiled_label(paths, w.compile, x0.to(w.device)))
+               path=compiled_label(paths, w.compile))
 
     def step():
         x, y = (t.to(w.device, non_blocking=True) for t in batch_of(corpus, batch, seq, g))
@@ -280,18 +275,7 @@ def op_row(w: Window, rec: dict) -> None:
     rec["paths"] = sorted({x["path"] for x in rec["cells"] if x.get("impl") == "ours" and x.get("path")})
 
 
-def triage_row(w: Window, rec: dict) -> None:
-    """The Triton kernels' configs, each in its own process (``benchmarks.gpu_triage``)."""
-    if not w.cuda:
-        raise Skip("skipped: the triage runs on CUDA (on the CPU the interpreter shows no fault)")
-    out = Path(rec["_out"]).with_name("triage_cases.json")
-    subprocess.run([sys.executable, "-m", "benchmarks.gpu_triage", "--cases", "bf16,fp16,fp32,bf16_tc",
-                    "--timeout-s", str(max(5, int(w.left()) - 5)), "--out", str(out)], check=False, timeout=w.left())
-    rec["cases"] = json.loads(out.read_text()) if out.is_file() else "no result"
-
-
-RUNNERS = {"train": train_row, "decode": decode_row, "op": op_row, "checks": lambda w, rec: rec.update(gpu_checks.run(w)),
-           "triage": triage_row}
+RUNNERS = {"train": train_row, "decode": decode_row, "op": op_row, "checks": lambda w, rec: rec.update(gpu_checks.run(w))}
 
 
 def plan() -> dict:

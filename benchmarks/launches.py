@@ -8,34 +8,7 @@ The third made the baseline (the library as of commit 775219b; 2 to 4 minutes on
 ``--backend`` sets ``LINEAR_ROPE_BACKEND`` for the run (recorded in the JSON). No GPU is needed:
 a count depends on shapes, the path and the plan of what the forward keeps, not on the device.
 
-Counting rules (``Counter``):
-
-* **launch**: an ATen op the dispatcher runs that is not a view or metadata: not ``is_view``
-  (``view``, ``transpose``, ``select``, ``detach``, ``lift_fresh``, ...) and not an allocation or
-  a metadata change (``ALLOC_OR_META``: ``empty``, ``_unsafe_view``, ``resize_``, ...). A foreach
-  or fused op (``_foreach_norm``, ``_fused_adamw_``) counts 1, as it is one dispatcher call (on
-  CUDA one launch per chunk of tensors). Custom ops (``linear_rope::chunk_causal`` and its
-  backward) are counted *inside*: their eager bodies run under the counter, so every ATen op of
-  the block walk counts.
-* **sync**: ``aten._local_scalar_dense`` (a value read by the host), ``nonzero`` and
-  ``masked_select`` (outputs sized by values: a launch and a sync), ``equal`` (a host bool),
-  ``index`` / ``index_put_`` by a bool mask (they run ``nonzero`` inside), plus what the dispatcher
-  never shows, seen by a ``TorchFunctionMode``: ``tolist``, ``item``, ``bool``, ``int``,
-  ``float``, ``index`` of a tensor, and ``torch.tensor`` / ``torch.as_tensor`` of Python data (a
-  host-to-device copy on a GPU). A read counts once (``item`` is not counted again as its
-  ``_local_scalar_dense``). Copies between devices are not seen (everything stays on the CPU).
-* **dispatcher calls**: every op the dispatch mode sees, views, allocations and custom ops
-  included; a composite op that reaches the mode whole (inside a custom op's body, below
-  autograd) counts as the ops it decomposes into, as it does everywhere else. The host-time
-  estimate is calls x ``US_PER_CALL`` = 9 us: the H200's 11.2 ms for one B = 1 fwd+bwd of the
-  op and its 25.4 ms per decode step give 8.2 and 10.5 us per call (the JSON's
-  ``calibration``). The CPU's buffer pool (``ops/workspace.py``) is cleared before each count,
-  so every buffer is a fresh allocation, as on a GPU.
-* **GEMM FLOPs** by operand dtype: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (2 per multiply-add),
-  to show what runs in fp32 under bf16 autocast.
-* Each sync is attributed to the innermost stack frame in ``linear_rope/`` (file:line function)
-  and the ``linear_rope/`` frame that called it; each launch to the innermost ``linear_rope/``
-  file and function.
+Counting rules: ``benchmarks/counting.py`` (the one counter, which the tests use too).
 
 Sizes: B = 1 (counts do not depend on B while the forward's keep plan is the same; the run checks
 B = 2 against B = 4 on a small model: at B = 1 the parallel path's reshapes can be views where
@@ -57,128 +30,12 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from .common import commit
+from . import counting
+from .counting import US_PER_CALL, Counter, count
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = str(ROOT / "linear_rope") + os.sep
 OUT = ROOT / "benchmarks" / "results" / "launches.json"
-US_PER_CALL = 9.0
-ALLOC_OR_META = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
-                 "_reshape_alias", "resize_", "set_", "as_strided_", "record_stream", "_local_scalar_dense",
-                 "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "detach_",
-                 "scalar_tensor"}
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "equal"}
-BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
-GEMMS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
-READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
-
-
-def _where(full: bool) -> str:
-    """The innermost frame in linear_rope/: 'linear_rope/x.py:12 fn' (or without the line); with
-    ``full``, also the linear_rope/ frame that called it ('... < linear_rope/y.py:34 caller'),
-    since the innermost is often a shared check."""
-    f, found = sys._getframe(2), []
-    while f is not None and len(found) < (2 if full else 1):
-        name = f.f_code.co_filename
-        if name.startswith(PKG):
-            rel = "linear_rope/" + name[len(PKG):]
-            found.append(f"{rel}:{f.f_lineno} {f.f_code.co_name}" if full else f"{rel} {f.f_code.co_name}")
-        f = f.f_back
-    return " < ".join(found) or "(outside linear_rope)"
-
-
-class Counter:
-    """Counts of one region: launches, syncs, dispatcher calls, custom ops, GEMM FLOPs by dtype,
-    the ops launched (by name) and where each sync and launch came from."""
-
-    def __init__(self):
-        self.launches = self.syncs = self.calls = self.custom = 0
-        self.ops, self.sync_at, self.launch_at = (collections.Counter() for _ in range(3))
-        self.gemm_flops = collections.Counter()
-        self._reading = 0
-
-    def sync(self, what: str) -> None:
-        self.syncs += 1
-        self.sync_at[f"{_where(True)} ({what})"] += 1
-
-    def as_dict(self, top: int = 10) -> dict:
-        return {"launches": self.launches, "syncs": self.syncs, "dispatcher_calls": self.calls,
-                "host_ms_est": round(self.calls * US_PER_CALL / 1e3, 2), "custom_op_calls": self.custom,
-                "gemm_gflop": {k: round(v / 1e9, 4) for k, v in sorted(self.gemm_flops.items())},
-                "top_ops": dict(self.ops.most_common(top)), "sync_sources": dict(self.sync_at.most_common(top)),
-                "launch_sources": dict(self.launch_at.most_common(top))}
-
-
-class _Dispatch(TorchDispatchMode):
-    def __init__(self, c: Counter):
-        super().__init__()
-        self.c = c
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        c, name = self.c, func._schema.name.split("::")[-1]
-        if func.namespace not in ("aten", "prim", "prims"):
-            from torch._library.custom_ops import _maybe_get_opdef
-
-            opdef = _maybe_get_opdef(func)
-            if opdef is not None:  # run the eager body under this mode: its ATen ops count
-                c.custom += 1
-                c.calls += 1
-                with self:
-                    return opdef._init_fn(*args, **kwargs)
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-            with self:  # below autograd (custom op bodies) composites reach the mode whole: count their parts
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        c.calls += 1
-        if name in SYNC_OPS and not c._reading:
-            c.sync(name)
-        elif name in BOOL_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                                          for i in args[1]):
-            c.sync(f"{name} by a bool mask")  # runs nonzero inside the kernel, where no mode sees it
-        if not func.is_view and name not in ALLOC_OR_META:
-            c.launches += 1
-            c.ops[name] += 1
-            c.launch_at[_where(False)] += 1
-        if name in GEMMS:
-            a, b = (args[i] for i in GEMMS[name])
-            c.gemm_flops[str(a.dtype).replace("torch.", "")] += 2 * a.numel() * b.shape[-1]
-        return func(*args, **kwargs)
-
-
-class _Function(TorchFunctionMode):
-    def __init__(self, c: Counter):
-        super().__init__()
-        self.c = c
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in READS:
-            self.c.sync(name.strip("_"))
-            self.c._reading += 1
-            try:
-                return func(*args, **kwargs)
-            finally:
-                self.c._reading -= 1
-        if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
-            self.c.sync(f"torch.{name} of Python data")
-        return func(*args, **kwargs)
-
-
-def count(fn, *args, **kwargs) -> tuple[Counter, object]:
-    """Run ``fn(*args, **kwargs)`` under the counter -> (its counts, its result)."""
-    from linear_rope.ops import workspace
-
-    workspace.clear()  # the CPU's buffer pool: every buffer a fresh allocation, as on a GPU, whatever ran before
-    c = Counter()
-    with _Function(c), _Dispatch(c):
-        out = fn(*args, **kwargs)
-    return c, out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,95 +74,6 @@ def attention_layer(cfg, N: int, B: int = 1) -> dict:
 
 # fla-core 0.6.0's chunk_linear_attn (simple_gla with no gates): forward chunk_fwd_h, chunk_fwd_o;
 # backward chunk_fwd_h (recomputed), chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv.
-FLA_KERNELS = {"fwd": 2, "bwd": 4}
-
-
-class _FlaStandIn(torch.autograd.Function):
-    """fla's kernel for counting: outputs of the right shapes, no ATen op of its own."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.shapes = (q, k, v)
-        return torch.empty_like(v)
-
-    @staticmethod
-    def backward(ctx, g):
-        return tuple(torch.empty_like(t) for t in ctx.shapes)
-
-
-def _op_counts(fn, H: int, N: int, d: int, m: int, mark=lambda: None) -> tuple[Counter, Counter, object]:
-    """``fn(q, k, v, projection=...)`` fwd, then bwd, counted (bf16, B = 1); ``mark()`` runs between them."""
-    from linear_rope.features import FavorFeatures
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, H, N, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    fwd, y = count(fn, q, k, v, projection=FavorFeatures(d, m).projection)
-    between = mark()
-    bwd, _ = count(y.backward, torch.ones_like(y))
-    return fwd, bwd, between
-
-
-def _with_kernels(fwd: Counter, bwd: Counter, kf: int, kb: int, key: str | None) -> dict:
-    """torch launches and dispatcher calls of each pass, each kernel launch one more call."""
-    out = {p: {"torch_launches": c.launches, "dispatcher_calls": c.calls + k, **({key: k} if key else {})}
-           for p, c, k in (("fwd", fwd, kf), ("bwd", bwd, kb))}
-    return {**out, "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls + kf + kb}
-
-
-def fla_path_calls(H: int = 2, N: int = 64, d: int = 64, m: int = 266) -> dict:
-    """The fla-backed path's fwd+bwd (``ops/fla_path.py``, bf16, FAVOR+ inside): its torch ops
-    counted (fla's kernels stood in by ``_FlaStandIn``), plus fla's kernel launches
-    (``FLA_KERNELS`` per ``chunk_linear_attn`` call). No block walk: the counts do not depend on N."""
-    from linear_rope.ops import fla_path
-
-    calls = []
-
-    def kernel(q, k, v, *, initial_state=None, output_final_state=False, **_):
-        calls.append(1)
-        return _FlaStandIn.apply(q, k, v), None
-    old, fla_path._kernel = fla_path._kernel, lambda: kernel
-    try:
-        fwd, bwd, n = _op_counts(fla_path.fla_rotary_linear_attention, H, N, d, m, mark=lambda: len(calls))
-    finally:
-        fla_path._kernel = old
-    return {"fla_calls": n, **_with_kernels(fwd, bwd, n * FLA_KERNELS["fwd"], n * FLA_KERNELS["bwd"], "fla_kernels")}
-
-
-def torch_path_calls(N: int, kept=None, H: int = 12, d: int = 64, m: int = 266) -> dict:
-    """The torch path's fwd+bwd (the op alone, bf16, FAVOR+ inside, B = 1) with the forward keeping
-    only the buffers named in ``kept`` for the backward (None: what ``chunk_fwd.keep_plan``
-    keeps at this size), as it keeps at a larger B·H·N: the rest is recomputed per block."""
-    from linear_rope import rotary_linear_attention
-    from linear_rope.ops import chunk_fwd
-
-    plan = chunk_fwd.keep_plan
-    if kept is not None:
-        chunk_fwd.keep_plan = lambda *a, **k: {n: b for n, b in plan(*a, **k).items() if n in kept}
-    try:
-        fwd, bwd, _ = _op_counts(rotary_linear_attention, H, N, d, m)
-    finally:
-        chunk_fwd.keep_plan = plan
-    return {"fwd": _m(fwd), "bwd": _m(bwd), "fwd_bwd_dispatcher_calls": fwd.calls + bwd.calls}
-
-
-def triton_path_calls(H: int = 12, N: int = 1024, d: int = 64, m: int = 266) -> dict:
-    """Our Triton path's fwd+bwd (``ops/triton/chunk.py``, bf16, FAVOR+ inside): its torch ops
-    counted, and each kernel launch counted as one call in place of running it (its outputs are
-    left as allocated: only the counts mean anything). The grid covers N: no per-block launches."""
-    from linear_rope.ops.triton import chunk as tc
-
-    kernels = []
-    old = tc._launch, tc.supports
-    tc._launch = lambda name, *a, **k: kernels.append(name)
-    tc.supports = lambda *a, **k: (True, "")
-    try:
-        fwd, bwd, nf = _op_counts(tc.rotary_linear_attention, H, N, d, m, mark=lambda: len(kernels))
-    finally:
-        tc._launch, tc.supports = old
-    nb = len(kernels) - nf
-    return {"kernels": {"fwd": nf, "bwd": nb}, **_with_kernels(fwd, bwd, nf, nb, None)}
-
-
 def model_step(cfg, N: int, B: int = 1) -> dict:
     """One step of the model: forward (bf16 autocast), loss (fp32 cross-entropy), backward, clip."""
     from linear_rope import PerformerLM
@@ -474,7 +242,7 @@ def _sources(c1: Counter, c2: Counter, depth: int, top: int = 12) -> dict:
     """Sync sources at ``depth``, extrapolated from depths 1 and 2 as the totals are."""
     keys = set(c1.sync_at) | set(c2.sync_at)
     est = {k: c1.sync_at[k] + (depth - 1) * (c2.sync_at[k] - c1.sync_at[k]) for k in keys}
-    return dict(sorted(((k, v) for k, v in est.items() if v), key=lambda kv: -kv[1])[:top])
+    return {f"{w} ({what})": v for (w, what), v in sorted(((k, v) for k, v in est.items() if v), key=lambda kv: -kv[1])[:top]}
 
 
 def _with_host(d: dict) -> dict:
@@ -566,7 +334,7 @@ def main(argv=None) -> dict:
 
 
 def _main(a, ns, argv) -> dict:
-    from linear_rope.ops.triton.dispatch import backend
+    from linear_rope.ops.backend import backend
 
     try:
         chosen = backend()
@@ -582,7 +350,7 @@ def _main(a, ns, argv) -> dict:
     out = {"name": "launches", "command": cmd.strip(), "commit": commit(), "backend": chosen,
            "torch": torch.__version__, "quick": a.quick, "depth": depth, "B": 1,
            "decode_batch": 2 if a.quick else 8, "autocast": "bf16 on the CPU", "ns": ns,
-           "rules": __doc__.split("Counting rules (``Counter``):")[1].split("\nSizes:")[0].strip(),
+           "rules": counting.__doc__.split("Rules:")[1].strip(),
            "calibration": calibration(res, ns), **res, "seconds": round(time.perf_counter() - t0, 1)}
     path = Path(a.out) if a.out else OUT
     path.parent.mkdir(parents=True, exist_ok=True)

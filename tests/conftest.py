@@ -12,12 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# test_triton.py runs the Triton kernels in Triton's interpreter on the CPU. Triton fixes that
-# choice when triton.language is first imported (helpers' imports already do, through torch),
-# so set it first; on a CUDA machine the kernels run compiled.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from fixtures.wikitext import wiki_text  # noqa: E402
 
 

@@ -222,7 +222,7 @@ def run_one(m: Mutant, timeout: float, mutate: bool = True) -> tuple[str, float,
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         copy = Path(tmp)
-        for part in ("linear_rope", "tests"):
+        for part in ("linear_rope", "tests", "benchmarks"):
             shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
         target = copy / m.path

@@ -18,7 +18,7 @@ from linear_rope import naive_rotary_linear_attention as naive
 from linear_rope import rotary_linear_attention as fast
 from linear_rope.model import MODEL_PRESETS, ModelConfig
 from linear_rope.ops import parallel
-from linear_rope.ops.triton import dispatch
+from linear_rope.ops import backend as dispatch
 
 BACKENDS = ["torch", "parallel"]
 LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]

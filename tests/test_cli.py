@@ -279,18 +279,17 @@ def test_enwik8_unreachable_is_one_line_naming_data(tmp_path, capsys, monkeypatc
 
 # ------------------------------------------------------------------ LINEAR_ROPE_BACKEND at start
 
-REFUSED_BACKENDS = [("garbage", "LINEAR_ROPE_BACKEND='garbage' is not a backend: use one of auto, torch")]
-if not torch.cuda.is_available():  # a CPU run, without the Triton interpreter
-    REFUSED_BACKENDS += [("triton", "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1"),
-                         ("fla", "fla-core's kernels need a CUDA device")]
+REFUSED_BACKENDS = [("garbage", "LINEAR_ROPE_BACKEND='garbage' is not a backend: use one of auto, torch"),
+                    ("triton", "LINEAR_ROPE_BACKEND=triton: the Triton kernels (LINEAR_ROPE_BACKEND=triton) were removed")]
+if not torch.cuda.is_available():  # a CPU run
+    REFUSED_BACKENDS += [("fla", "fla-core's kernels need a CUDA device")]
 
 
 @pytest.mark.parametrize("value, text", REFUSED_BACKENDS)
 def test_a_backend_the_run_cannot_use_fails_first_and_writes_nothing(tmp_path, capsys, monkeypatch, value, text):
-    """A backend the trainer cannot use (an unknown name; triton or fla on a CPU, without the
-    Triton interpreter) is one line and exit 2 before any data is read or any file written."""
+    """A backend the trainer cannot use (an unknown name; triton, removed; fla on a CPU) is one
+    line and exit 2 before any data is read or any file written."""
     monkeypatch.setenv("LINEAR_ROPE_BACKEND", value)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out, data_dir = tmp_path / "runs", tmp_path / "data"
     (tmp_path / "c.txt").write_bytes(b"abc " * 500)
     with pytest.raises(SystemExit) as exc:
@@ -303,21 +302,15 @@ def test_a_backend_the_run_cannot_use_fails_first_and_writes_nothing(tmp_path, c
 
 
 def test_every_backend_a_cpu_run_can_use_passes_the_start_check(monkeypatch):
-    """auto, torch and every other backend but triton and fla run anywhere; triton runs on the
-    CPU under the Triton interpreter (TRITON_INTERPRET=1, with triton installed)."""
-    from linear_rope.ops.triton.dispatch import BACKENDS, check_backend, triton_available
+    """auto, torch and parallel run anywhere (fla needs CUDA)."""
+    from linear_rope.ops.backend import BACKENDS, check_backend
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for name in BACKENDS:
-        if name not in ("triton", "fla"):
+        if name != "fla":
             monkeypatch.setenv("LINEAR_ROPE_BACKEND", name.upper())
             assert check_backend("cpu") == name
     monkeypatch.delenv("LINEAR_ROPE_BACKEND")
     assert check_backend("cpu") == "auto"
-    if triton_available():
-        monkeypatch.setenv("LINEAR_ROPE_BACKEND", "triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert check_backend("cpu") == "triton"
 
 
 def test_a_bad_backend_is_one_line_as_a_process(tmp_path):

@@ -18,7 +18,7 @@ import linear_rope.ops.fla_path as fla_path
 from linear_rope import LinearAttentionState
 from linear_rope import naive_rotary_linear_attention as reference
 from linear_rope import rotary_linear_attention
-from linear_rope.ops.triton.dispatch import BACKENDS, record_paths, use_backend
+from linear_rope.ops.backend import BACKENDS, record_paths, use_backend
 from test_ops import F64, _keyword_case, _loss_parts
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from linear_rope import PerformerLM, RotaryLinearAttention
 from linear_rope.ops import rotary_linear_attention
-from linear_rope.ops.triton.dispatch import use_backend
+from linear_rope.ops.backend import use_backend
 
 FP16_MAX = torch.finfo(torch.float16).max
 

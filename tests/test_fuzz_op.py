@@ -21,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from linear_rope import FavorFeatures, LinearAttentionState  # noqa: E402
 from linear_rope import naive_rotary_linear_attention as naive  # noqa: E402
 from linear_rope import rotary_linear_attention as fast  # noqa: E402
-from linear_rope.ops.triton import dispatch  # noqa: E402
+from linear_rope.ops import backend as dispatch  # noqa: E402
 from linear_rope.rotary import MAX_POSITION, table_dtype  # noqa: E402
 
 SEED = 41_2024

@@ -12,6 +12,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import launches as L  # noqa: E402
+from benchmarks.counting import count  # noqa: E402
 from linear_rope.checks import require  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,7 +34,7 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _count(fn):
-    return L.count(fn)[0]
+    return count(fn)[0]
 
 
 def test_a_value_read_is_one_sync_and_no_launch():
@@ -69,7 +70,7 @@ def test_value_sized_outputs_are_a_launch_and_a_sync():
     m = x > 0
     for by_mask in (lambda: x[m], lambda: x.clone().index_put_((m,), x.new_ones(()))):
         c = _count(by_mask)  # runs nonzero inside its kernel
-        assert c.syncs == 1 and c.sync_at.most_common(1)[0][0].endswith("by a bool mask)"), c.as_dict()
+        assert c.syncs == 1 and c.sync_at.most_common(1)[0][0][1].endswith("by a bool mask"), c.as_dict()
     assert _count(lambda: torch.equal(x, x)).syncs == 1
 
 
@@ -90,10 +91,15 @@ def test_composites_inside_a_custom_op_count_as_their_parts_and_gemm_flops_by_dt
 
 
 def test_a_sync_is_attributed_to_its_line_in_linear_rope():
-    c = _count(lambda: require(torch.tensor([True]), "never"))
-    assert c.syncs == 2  # the tensor from Python data, and bool() of its check
-    (where,) = [k for k in c.sync_at if k.endswith("(bool)")]
-    assert where.startswith("linear_rope/checks.py:") and " require " in where
+    """A sync in a shared check (checks.py) belongs to the package line that called the check."""
+    from linear_rope.ops.utils import check_final_state
+
+    c = _count(lambda: check_final_state(torch.ones(1, 2, 2), torch.ones(1, 2), torch.ones(1, 1, 1)))
+    assert c.syncs == 1
+    ((where, what),) = c.sync_at
+    assert what == "bool" and where.startswith("linear_rope/ops/utils.py:"), c.report()
+    c = _count(lambda: require(torch.tensor([True]), "never"))  # no package line calls it: no site
+    assert c.syncs == 2 and {w for w, _ in c.sync_at} == {None}
 
 
 def test_backward_ops_are_counted():
@@ -129,7 +135,7 @@ def test_quick_run_writes_its_json(tmp_path, monkeypatch):
     steady = data["train_step"]["64"]["steady"]
     assert steady["depth_2"]["syncs"] >= 1 and steady["sync_sources"]
     assert all(k.startswith("linear_rope/") for k in steady["sync_sources"])
-    assert any(" require < linear_rope/" in k for k in steady["sync_sources"])  # the shared check's caller
+    assert not any(k.startswith("linear_rope/checks.py") for k in steady["sync_sources"])  # the shared check's caller
     assert set(data["decode"]) == set(L.DECODERS)
     assert data["decode"]["PerformerLM.step"]["eager"]["launches"] > 0
     assert data["dynamo"]["graphs"] >= 1

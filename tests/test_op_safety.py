@@ -558,19 +558,19 @@ def test_negative_features_are_refused_unless_allowed(checked):
               naive(q - 0.01, k, v, allow_negative=True, causal=causal))
 
 
-def test_chunk_sizes_where_the_triton_kernels_are_forced(monkeypatch):
-    """With LINEAR_ROPE_BACKEND=triton the kernels pick their own chunk: chunk_size / block_size
-    would do nothing there and are refused (on "auto" they keep the call on the torch path)."""
-    pytest.importorskip("triton")
-    from linear_rope.ops.triton import dispatch
+def test_the_removed_triton_backend_is_one_line(monkeypatch):
+    """LINEAR_ROPE_BACKEND=triton names where the removed kernels are, in one line, at the op's
+    first call (and at a program's start: tests/test_cli.py)."""
+    from linear_rope.ops import backend
 
     q, k, v, _ = make(1, 6, False)
-    monkeypatch.setattr("linear_rope.ops.api.should_use_triton", lambda *a, **kw: True)
-    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
-    with pytest.raises(ValueError, match="chunk_size / block_size: the Triton kernels pick their own chunk"):
-        fast(q, k, v, chunk_size=4)
-    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
-    close(fast(q, k, v, chunk_size=4), naive(q, k, v))  # the torch path, where the size applies
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    with pytest.raises(ValueError, match="were removed") as e:
+        fast(q, k, v)
+    assert "\n" not in str(e.value) and "docs/gpu.md" in str(e.value)
+    with pytest.raises(ValueError, match="were removed"):
+        with backend.use_backend("triton"):
+            pass
 
 
 # --- the crashes that used to come from inside torch --------------------------------------------

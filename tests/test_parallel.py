@@ -16,7 +16,7 @@ from linear_rope import rotary_linear_attention as op
 from linear_rope.features import favor_features
 from linear_rope.ops import parallel
 from linear_rope.ops.tolerances import PARALLEL_BF16_CONTRACT
-from linear_rope.ops.triton import dispatch
+from linear_rope.ops import backend as dispatch
 
 
 @pytest.fixture(autouse=True)

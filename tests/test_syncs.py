@@ -3,7 +3,7 @@ back from the device, and ``Trainer.train_step`` reads nothing between logging i
 non-finite step is never applied (gated on the device) and is reported at the next interval.
 The model compiles whole (``fullgraph=True``) with no graph break.
 
-Syncs are counted with ``sync_count`` and attributed to the innermost package frame, every one
+Syncs are counted with ``benchmarks.counting`` and attributed to the innermost package frame, every one
 of them, on the chunk-parallel path (``LINEAR_ROPE_BACKEND=parallel``, what ``auto`` takes on
 CUDA). ``LINEAR_ROPE_SYNCS_OUTSIDE=linear_rope/ops/`` leaves out those inside the op (the CPU's
 torch path still checks its projection's values on every call).
@@ -21,7 +21,7 @@ from helpers import poison_training_forward
 from linear_rope.enwik8.config import TrainConfig
 from linear_rope.enwik8.trainer import NonFiniteError, Trainer
 from linear_rope.model import MODEL_PRESETS, ModelConfig, PerformerLM
-from sync_count import count
+from benchmarks.counting import counted as count
 
 pytestmark = pytest.mark.usefixtures("one_thread", "parallel_path")
 
@@ -78,8 +78,8 @@ def test_the_counter_sees_each_kind_of_sync():
     x = torch.ones(3)
     with count() as c:
         x.sum().item(), x.tolist(), bool(x.any()), torch.tensor([1.0]), x[x > 0]
-    kinds = {what for (_, what) in c.syncs}
-    assert kinds >= {"item", "tolist", "__bool__", "tensor", "aten::index (a boolean mask: nonzero inside)"}, c.report()
+    kinds = {what for (_, what) in c.sync_at}
+    assert kinds >= {"item", "tolist", "bool", "torch.tensor of Python data", "index by a bool mask"}, c.report()
 
 
 def test_train_step_reads_nothing_back_between_logging_intervals(splits, tmp_path):

@@ -22,7 +22,7 @@ import torch
 from ..model import ModelConfig, PerformerLM
 from .checkpoint import (CheckpointError, load_checkpoint, nonfinite, previous_checkpoint, resolve_checkpoint,
                          verify_params)
-from ..ops.triton.dispatch import check_backend
+from ..ops.backend import check_backend
 from .cli import OneLineParser, check_device
 from .rundir import os_error_line
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..ops.triton.dispatch import check_backend
+from ..ops.backend import check_backend
 from . import data
 from .checkpoint import check_out_dir, latest_checkpoint
 from .cli import build_parser, parse_runs

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..model import ModelConfig
-from ..ops.triton.dispatch import record_paths, takes_parallel
+from ..ops.backend import record_paths
 from . import data
 from .checkpoint import (CheckpointError, last_good_checkpoint, latest_checkpoint, load_checkpoint, nonfinite,
                          previous_checkpoint, save_checkpoint, verify_params)
@@ -312,9 +312,8 @@ class Trainer:
 
     def attention_path(self) -> str:
         """The path the model's attention takes in training, from a two-token probe forward in
-        the training precision: "parallel path (<why>)", "torch path (<why>)", "triton kernels
-        (sm_90, triton 3.6.0)", or softmax attention. Compiled, the graph holds the path the probe
-        took, except the Triton kernels (they run only eagerly): then the torch ops that take it."""
+        the training precision: "parallel path (<why>)", "torch path (<why>)", or softmax
+        attention. Compiled, the graph holds the path the probe took."""
         if self.mc.position == "softmax":
             return "softmax attention (torch scaled_dot_product_attention)"
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.dd.device)
@@ -324,8 +323,6 @@ class Trainer:
         self.model.train(was)
         path = "; ".join(dict.fromkeys(paths)) or "no linear attention call"
         if self.wants_compile and compile_unavailable(self.dd.device) is None:
-            if path.startswith("triton kernels"):
-                path = f"{'parallel' if takes_parallel(ids) else 'torch'} path (the Triton kernels run only eagerly)"
             path += f", compiled ({self.tc.compile_mode})"
         return path
 

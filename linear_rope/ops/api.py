@@ -1,5 +1,5 @@
-"""The public op, ``rotary_linear_attention``: it checks the arguments once, picks a path, records
-which, and calls it.
+"""The public op, ``rotary_linear_attention``: it checks the arguments once, asks ``backend.py``
+which path takes the call (recorded there), and calls it.
 
 The paths are its siblings, and none of them imports this module:
 
@@ -7,26 +7,20 @@ The paths are its siblings, and none of them imports this module:
 * the chunk-parallel path (``parallel.py``): the default for a causal call on CUDA;
 * the composite path (``composite.py``): the causal chunk form under ``torch.func`` transforms
   and forward-mode AD;
-* the Triton kernels (``triton/``) and fla-core's (``fla_path.py``), for the eager causal calls
-  ``LINEAR_ROPE_BACKEND`` sends them.
+* fla-core's kernels (``fla_path.py``), for the eager calls ``LINEAR_ROPE_BACKEND=fla`` sends.
 
 The torch ops' side (the compute dtype, padding, feature scale, empty calls and documents) is
-``prepare.run_torch``. A Triton kernel that fails sends its call to the torch ops here: the
-forward's by the ``KernelError`` it raises, the backward's through the torch path this module
-hands the kernels (``_on_torch``).
+``prepare.run_torch``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..checks import is_compiling, is_transformed
+from ..checks import debug_checks, is_compiling, is_transformed
+from .backend import choose, record, takes_parallel
 from .chunk import bidirectional, chunked_causal, documents
 from .composite import composite_causal
-from .parallel import PACKED_REASON, checks_enabled
 from .prepare import check_sizes, parallel_path, run_torch
-from .triton.dispatch import (
-    ENV_VAR, KernelError, backend, fallback, record, should_use_triton, takes_parallel, use_backend,
-)
 from .utils import LinearAttentionState, Options, check_args
 
 __all__ = ["rotary_linear_attention"]
@@ -83,8 +77,7 @@ def rotary_linear_attention(
     A keyword that would have no effect in the call is refused (ValueError naming it), not
     dropped: ``offset`` or a ``base`` other than the default with ``rotary=False``,
     ``allow_negative`` with ``projection``, ``chunk_size`` / ``block_size`` with
-    ``causal=False`` or where the Triton kernels are forced (``LINEAR_ROPE_BACKEND=triton``; on
-    ``auto`` they keep the call on the torch path). Flags must be True or False.
+    ``causal=False``. Flags must be True or False.
 
     Returns:
         `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``.
@@ -104,12 +97,10 @@ def rotary_linear_attention(
     and state, offsets in range, a finite final key sum) are off unless ``LINEAR_ROPE_CHECKS=1``
     (each would make the GPU wait: unread, a token past ``MAX_POSITION`` gets NaN, never another
     position's angle); packed documents (``cu_seqlens``) go to the torch path there,
-    with the reason recorded (``record_paths``). ``triton`` takes the fused Triton kernels
-    (``linear_rope.ops.triton``; raises with the reason for a call they do not take), which
-    ``auto`` picks only once a GPU run in this process has measured them faster than the
-    chunk-parallel path (``dispatch.note_triton_measured``). ``fla`` forces the fla-core path
+    with the reason recorded (``backend.record_paths``). ``fla`` forces the fla-core path
     (``fla_path.py``, causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the
-    reason otherwise). Inside ``torch.compile`` the op is the chunk-parallel path's plain ops
+    reason otherwise). ``triton`` is a one-line ValueError: those kernels were removed
+    (``backend.TRITON_REMOVED``). Inside ``torch.compile`` the op is the chunk-parallel path's plain ops
     where the backend picks it, else the custom op ``linear_rope::chunk_causal``. Under the
     ``torch.func`` transforms and forward-mode AD the causal path is ``composite_causal``
     (correct tangents, batching and higher derivatives).
@@ -122,64 +113,26 @@ def rotary_linear_attention(
     opts = Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
                    key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                    allow_negative=allow_negative, output_final_state=output_final_state)
-    par = isinstance(q, torch.Tensor) and takes_parallel(q)  # the chunk-parallel backend: no host syncs
-    read = not par or checks_enabled()
+    # The chunk-parallel backend stands for the GPU: its checks read no tensor value (no host sync)
+    # unless LINEAR_ROPE_CHECKS=1; every other path reads them.
+    read = not (isinstance(q, torch.Tensor) and takes_parallel(q)) or debug_checks()
     a = check_args(q, k, v, opts, read_values=read)
     check_sizes(chunk_size, block_size, causal)
     transformed = is_transformed(q, k, v, *(a.state or ()))
-    par = par and not transformed and a.docs is None  # packed documents: the torch path (PACKED_REASON)
-    if causal and torch.jit.is_tracing() and not par:
+    path = choose(q, causal=causal, packed=a.docs is not None, transformed=transformed,
+                  eager=not is_compiling() and not transformed)
+    if path == "fla":  # forced: fla-core's kernels or an error
+        return _forced_fla(q, k, v, opts._asdict())
+    if path == "parallel":
+        return run_torch(parallel_path(q, block_size), q, k, v, a, opts, chunk_size, block_size, par=True, read=read)
+    if causal and torch.jit.is_tracing():
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
-    eager = not is_compiling() and not transformed  # where the fla-core and Triton kernels may take the call
-    if backend() == "fla" and eager:  # forced: fla-core's kernels or an error
-        return _forced_fla(q, k, v, opts._asdict())
-    if causal and eager:
-        out = _triton(q, k, v, opts._asdict(), par, sized=chunk_size is not None or block_size is not None)
-        if out is not None:
-            return out
-        if a.docs is not None and takes_parallel(q):
-            record(f"torch path ({PACKED_REASON})", replace=True)
-    if causal and par:
-        path = parallel_path(q, block_size)
-    elif causal:
-        path = composite_causal if transformed else chunked_causal
-    else:
-        path = bidirectional if a.docs is None else documents
-    return run_torch(path, q, k, v, a, opts, chunk_size, block_size, par=par, read=read)
+    return run_torch(_PATHS[path], q, k, v, a, opts, chunk_size, block_size, par=False, read=read)
 
 
-def _triton(q, k, v, kw, par: bool, sized: bool):
-    """The Triton kernels' result where ``should_use_triton`` picks them for the call, else None
-    (the torch ops take it, with the reason recorded): explicit ``chunk_size`` / ``block_size``
-    keep an ``auto`` call off them (a ValueError where they are forced), and so does a kernel that
-    fails to build or launch (said once on stderr; raised where they are forced)."""
-    if not should_use_triton(q, k, v, **kw):  # CUDA + Triton (or LINEAR_ROPE_BACKEND=triton)
-        return None
-    if sized:
-        if backend() == "triton":
-            raise ValueError(f"chunk_size / block_size: the Triton kernels pick their own chunk, so they have no "
-                             f"effect with {ENV_VAR}=triton; leave them out, or set {ENV_VAR}=torch")
-        if not par:  # auto: explicit sizes keep the call on the torch path, where they apply
-            record("torch path (chunk_size / block_size given: they apply on the torch path)", replace=True)
-        return None
-    from .triton import rotary_linear_attention as triton_op
-
-    try:
-        return triton_op(q, k, v, **kw, torch_path=_on_torch)
-    except KernelError as e:  # a kernel failed to build or launch: the torch ops, said once
-        if backend() == "triton":
-            raise
-        fallback(str(e))
-        record(f"{'parallel' if par else 'torch'} path ({e})", replace=True)
-        return None
-
-
-def _on_torch(q, k, v, **kw):
-    """The op on the torch path: what the Triton kernels' backward recomputes the forward on when
-    a backward kernel fails."""
-    with use_backend("torch"):
-        return rotary_linear_attention(q, k, v, **kw)
+_PATHS = {"torch": chunked_causal, "composite": composite_causal, "bidirectional": bidirectional,
+          "documents": documents}
 
 
 def _forced_fla(q, k, v, kw):

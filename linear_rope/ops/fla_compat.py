@@ -3,7 +3,7 @@
 flash-linear-attention (fla, v0.5+) writes every op as ``chunk_xxx(q, k, v, scale=None,
 initial_state=None, output_final_state=False, cu_seqlens=None) -> (o, final_state)`` over
 `[B, T, H, D]` tensors. This is a thin wrapper over ``rotary_linear_attention`` (`[B, H, N, d]`,
-``api.py``): the same paths (the chunked custom op on the CPU, the Triton kernels on CUDA), the
+``api.py``): the same paths (the chunked custom op on the CPU, the chunk-parallel path on CUDA), the
 same checks and the same state, behind fla's names, with this op's own options keyword-only.
 q, k and v are transposed into one contiguous copy each, the output back as a view
 (``benchmarks/fla_layout.py`` measures what the transposes cost at N = 4096).
