@@ -16,7 +16,7 @@ from linear_rope import (
 )
 
 from linear_rope.ops.tolerances import HALF_CONTRACT, check, rounded_error, tolerance
-from linear_rope.ops.triton import record_paths
+from linear_rope.ops.backend import record_paths
 
 from .common import one_line
 

@@ -43,7 +43,7 @@ def ragged(lengths=(4, 11, 7), new=NEW, seed=2):
 
 
 def count_dispatch(fn) -> dict:
-    """``benchmarks.generation.count_dispatch`` (imported here: tests/mutants.py copies no benchmarks/)."""
+    """``benchmarks.generation.count_dispatch``: the one counter (``benchmarks/counting.py``)."""
     from benchmarks.generation import count_dispatch
 
     return count_dispatch(fn)
@@ -95,21 +95,13 @@ def test_a_decoder_step_has_no_sync_and_few_launches(kw):
         tok = dec.prefill(ids, mask).argmax(-1)
         dec.step(tok)
         c = count_dispatch(lambda: dec.step(tok))
-        assert c["syncs"] == 0 and c["host"] == 0, (c["syncs_by_op"], c["host_by_call"])
+        assert c["syncs"] == 0, c["syncs_by_op"]
         assert c["launches"] <= 60 * model.cfg.depth, c["by_op"]
         counts.append(c["launches"])
     if kw["position"] != "softmax":  # (the anchor's key/value cache has max_len slots)
         assert counts[0] == counts[1]
     read = count_dispatch(lambda: bool(tok.sum() > 0))  # the counter sees a value read into Python
-    assert read["syncs"] + read["host"] > 0
-
-
-def test_the_counter_sees_syncs_host_reads_and_copies():
-    t = torch.arange(4.0)
-    c = count_dispatch(lambda: (t.sum().item(), bool(t.any()), torch.tensor([1, 2]), t.nonzero(), t.tolist()))
-    assert c["syncs_by_op"] == {"aten::_local_scalar_dense": 2, "aten::nonzero": 1}, c
-    assert c["host_by_call"] == {"item": 1, "__bool__": 1, "tensor": 1, "tolist": 1}, c
-    assert c["by_op"] == {"aten::sum": 1, "aten::any": 1}, c  # views and allocations launch nothing
+    assert read["syncs"] > 0
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 5), (2.0, 40)])
@@ -260,4 +252,4 @@ def test_hugging_face_cached_steps_run_on_the_decoder(position, monkeypatch):
         torch.testing.assert_close(box[0], want, rtol=1e-12, atol=1e-12)
         assert cache.decoder is not None
         if t:
-            assert c["syncs"] == 0 and c["host"] == 0, (c["syncs_by_op"], c["host_by_call"])
+            assert c["syncs"] == 0, c["syncs_by_op"]

@@ -40,7 +40,7 @@ def test_ci_runs_the_readme_set_up_and_test_command():
                for line in installs), installs
     # then the extras, the tests that skipped without them, and the mutants (tests/mutants.py)
     after = ci[ci.index("python -m pytest -q") + 1:]
-    assert any('-e ".[hf]"' in line for line in after) and any('-e ".[triton]"' in line for line in after)
+    assert any('-e ".[hf]"' in line for line in after) and any('-e ".[predict]"' in line for line in after)
     assert "python tests/mutants.py" in after
     assert "\n```bash\npython -m pytest -q\n```\n" in readme
 
