@@ -7,8 +7,8 @@
 A row starts only while the window (``--until``: gpu_plan.sh's start + 570 s) holds its budget,
 else it is recorded as skipped with the reason; SIGALRM stops it at its budget plus ``GRACE_S``.
 Each row writes ``OUT/<row>.json`` as it ends, and ``OUT/window.json`` / ``.md`` list the rows so
-far. Labels come from what ran: the path the op recorded at the row's own shape (compiled, the
-Triton kernels excepted: they run only eagerly) and, on CUDA, the attention kernels a step launched.
+far. Labels come from what ran: the path the op recorded at the row's own shape (a compiled
+graph holds the same path) and, on CUDA, the attention kernels a step launched.
 """
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ __all__ = ["BACKENDS", "ENV_VAR", "PACKED_REASON", "TRITON_REMOVED", "backend", 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
 BACKENDS = ("auto", "torch", "parallel", "fla")
 TRITON_REMOVED = ("the Triton kernels (LINEAR_ROPE_BACKEND=triton) were removed from linear_rope: the "
-                  "chunk-parallel path (auto on CUDA) replaced them; the last commit that has them is named in "
-                  "docs/gpu.md")
+                  "chunk-parallel path (auto on CUDA) replaced them; commit d4a32e6 is the last that has them "
+                  "(docs/gpu.md)")
 PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
                  "sync, so packed documents take the torch path")
 
