@@ -152,13 +152,13 @@ def test_skip_skips_on_the_device_and_logs_at_the_interval(splits, tmp_path, mon
     assert same == [True, True, False]
     assert "skipped_steps" not in t.state.metrics  # nothing read yet
     t._flush()
-    assert t.state.metrics["skipped_steps"] == 2 and t._skip_run == 0
+    assert t.state.metrics["skipped_steps"] == 2 and t.ledger.skip_run == 0
 
 
 def test_skip_still_stops_after_max_skips_in_a_row(splits, tmp_path, monkeypatch):
-    from linear_rope.enwik8 import trainer as trainer_mod
+    from linear_rope.enwik8 import ledger
 
-    monkeypatch.setattr(trainer_mod, "MAX_SKIPS_IN_A_ROW", 2)
+    monkeypatch.setattr(ledger, "MAX_SKIPS_IN_A_ROW", 2)
     poison_training_forward(monkeypatch, set(range(2, 20)))
     t = make_trainer(splits, tmp_path, on_nonfinite="skip")
     for step in range(4):

@@ -14,11 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..model import ModelConfig, PerformerLM
+from ..ops.backend import record_paths
 from . import data
 from .config import TrainConfig
 from .runtime import Dist
 
-__all__ = ["build_run", "uses_bf16", "autocast", "evaluate", "make_optimizer", "on_device", "compile_unavailable",
+__all__ = ["attention_path", "build_run", "uses_bf16", "autocast", "evaluate", "make_optimizer", "on_device", "compile_unavailable",
            "compile_blocks", "FEATURE_SEED_OFFSET"]
 
 FEATURE_SEED_OFFSET = 1_000_003  # feature generator seed = run seed + this
@@ -114,3 +115,18 @@ def compile_blocks(model: PerformerLM, **kw) -> str:
     for block in model.blocks:
         block.compile(fullgraph=True, **kw)
     return f"regional: the {len(model.blocks)} blocks' forward compiled once (fullgraph=True), the rest eager"
+
+
+def attention_path(model: PerformerLM, device: torch.device, precision: str, compile_mode: str | None) -> str:
+    """The path the model's attention takes in training, from a two-token probe forward in the
+    training precision: "parallel path (<why>)", "torch path (<why>)", or softmax attention;
+    ``compile_mode`` (None: eager) is added, since a compiled graph holds the path the probe took."""
+    if model.cfg.position == "softmax":
+        return "softmax attention (torch scaled_dot_product_attention)"
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    was = model.training
+    with record_paths() as paths, torch.no_grad(), autocast(device, precision):
+        model.eval()(ids)
+    model.train(was)
+    path = "; ".join(dict.fromkeys(paths)) or "no linear attention call"
+    return path + (f", compiled ({compile_mode})" if compile_mode is not None else "")

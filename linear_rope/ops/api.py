@@ -11,6 +11,11 @@ The paths are its siblings, and none of them imports this module:
 
 The torch ops' side (the compute dtype, padding, feature scale, empty calls and documents) is
 ``prepare.run_torch``.
+
+Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row (or
+packed document) with its state, and so is this op for finite features anywhere in the float32
+range (see ``utils.normalise_scale``); a final state whose key sum overflows is a ValueError (a
+RuntimeError from ``torch._assert_async`` under ``torch.compile``).
 """
 from __future__ import annotations
 
@@ -41,10 +46,9 @@ def rotary_linear_attention(
         v: `[B, H, N, e]` values.
         causal: token t sees tokens n <= t; otherwise every token (bidirectional).
         rotary: RoPE on the features in the numerator (Eq. 19); False gives Eq. 18.
-        offset: position of token 0: an int, or a LongTensor `[B]` per row (`[D]` per document).
-            Positions are integers up to ``linear_rope.rotary.MAX_POSITION`` = 2**62 - 1 (a
-            ValueError beyond); every angle is reduced modulo 2 pi exactly, so position 2**62 - 1
-            is as accurate as position 0.
+        offset: position of token 0: an int, or a LongTensor `[B]` per row (`[D]` per document);
+            positions up to ``rotary.MAX_POSITION`` = 2**62 - 1 (a ValueError beyond), every
+            angle reduced modulo 2 pi exactly.
         base: RoPE base, a finite number > 0.
         projection: `[m, d]` FAVOR+ projection (``FavorFeatures.projection``), m >= 1; a fixed
             random draw, so it gets no gradient (in either AD mode).
@@ -65,50 +69,28 @@ def rotary_linear_attention(
         initial_state: ``LinearAttentionState`` of the tokens before these (`[B, ...]`, or
             `[D, ...]` with ``cu_seqlens``), e.g. from ``output_final_state``; S and z finite.
         output_final_state: also return the state after the last token.
-        allow_negative: skip the check that feature inputs are >= 0 (without ``projection``).
-            The check holds in eager (ValueError) and under ``torch.compile`` (the same message
-            from ``torch._assert_async``, a RuntimeError when the graph runs).
+        allow_negative: skip the check that feature inputs are >= 0 (without ``projection``;
+            under ``torch.compile`` the check is ``torch._assert_async``'s RuntimeError).
         chunk_size, block_size: the chunk of the masked products and the block walked at once
-            by the causal torch path (memory is O(block_size * m) plus O(N / block_size * m * e));
-            any values work. Default ``CHUNK`` and ``BLOCK``. On the chunk-parallel path
-            ``block_size`` is the segment (tokens whose per-chunk states are held at once;
-            default: all while they fit ``parallel.STATE_BYTES``).
+            by the causal torch path (any values; memory O(block_size * m + N / block_size * m * e));
+            on the chunk-parallel path ``block_size`` is the segment of per-chunk states held at once.
 
-    A keyword that would have no effect in the call is refused (ValueError naming it), not
-    dropped: ``offset`` or a ``base`` other than the default with ``rotary=False``,
-    ``allow_negative`` with ``projection``, ``chunk_size`` / ``block_size`` with
-    ``causal=False``. Flags must be True or False.
+    A keyword that would have no effect in the call is refused (ValueError naming it): ``offset``
+    or a non-default ``base`` with ``rotary=False``, ``allow_negative`` with ``projection``,
+    ``chunk_size`` / ``block_size`` with ``causal=False``. Flags must be True or False.
 
     Returns:
-        `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``.
-        Double backward is not supported on the torch path nor through the chunk-parallel
-        path's bf16 products (one-line RuntimeError; in float32 or wider the chunk-parallel
-        path is plain autograd, and under ``torch.func`` the composite path below is
-        differentiable to any order). Nor is ``torch.jit.trace`` of the causal path (use
-        ``torch.compile``). A backward may run inside the autocast block of its forward. B = 0,
-        H = 0, N = 0 or e = 0 give empty results (N = 0: the state passes through).
+        `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``. B, H, N
+        or e = 0 give empty results (N = 0: the state passes through). Double backward is a
+        one-line RuntimeError on the torch path and the chunk-parallel path's bf16 products
+        (``torch.func``'s composite path differentiates to any order); so is ``torch.jit.trace``
+        of the causal path (use ``torch.compile``).
 
-    Backends (``LINEAR_ROPE_BACKEND``): ``auto`` (the default) runs a causal call on CUDA
-    tensors through the chunk-parallel path (``parallel.py``: plain torch ops, a fixed number of
-    kernels at any N, no host sync, bf16 tensor-core products under a bf16 autocast), and on
-    other devices through the torch path (the custom op's block walk, the fastest on a CPU).
-    ``parallel`` takes the chunk-parallel path on any device; ``torch`` the torch path. On the
-    chunk-parallel path the checks that read tensor values (features >= 0, a finite projection
-    and state, offsets in range, a finite final key sum) are off unless ``LINEAR_ROPE_CHECKS=1``
-    (each would make the GPU wait: unread, a token past ``MAX_POSITION`` gets NaN, never another
-    position's angle); packed documents (``cu_seqlens``) go to the torch path there,
-    with the reason recorded (``backend.record_paths``). ``fla`` forces the fla-core path
-    (``fla_path.py``, causal only, CUDA, ``pip install 'linear_rope[fla]'``; ValueError with the
-    reason otherwise). ``triton`` is a one-line ValueError: those kernels were removed
-    (``backend.TRITON_REMOVED``). Inside ``torch.compile`` the op is the chunk-parallel path's plain ops
-    where the backend picks it, else the custom op ``linear_rope::chunk_causal``. Under the
-    ``torch.func`` transforms and forward-mode AD the causal path is ``composite_causal``
-    (correct tangents, batching and higher derivatives).
-
-    Feature scale: Eq. 19 is invariant to scaling phi(q_t) per query and all phi(k) of a row
-    (or packed document) with its state, and so is this op for finite features anywhere in the
-    float32 range (see ``utils.normalise_scale``); a final state whose key sum overflows is a
-    ValueError (a RuntimeError from ``torch._assert_async`` under ``torch.compile``).
+    Paths (``LINEAR_ROPE_BACKEND``, chosen and recorded by ``backend.py``): ``auto`` takes the
+    chunk-parallel path (``parallel.py``) for causal calls on CUDA tensors and the torch path
+    elsewhere; ``parallel``, ``torch`` and ``fla`` force one. On the chunk-parallel path the
+    checks that read tensor values are off unless ``LINEAR_ROPE_CHECKS=1`` (each would make the
+    GPU wait; unread, a position past ``MAX_POSITION`` gets NaN, never another's angle).
     """
     opts = Options(causal=causal, rotary=rotary, offset=offset, base=base, projection=projection, mask=mask,
                    key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,

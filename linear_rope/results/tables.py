@@ -49,54 +49,72 @@ def summary(runs: Path, out: Path) -> dict:
     if "none" in variants:
         none_final = statistics.mean(col(rs, "val/bpc")[-1][1] for rs in variants["none"].values())
     for variant, seeds in sorted(variants.items()):
-        seeds = dict(sorted(seeds.items()))  # every per-seed list below follows "seeds"
-        val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
-        # per seed, None where a non-finite step ended the run before its test
-        test_per_seed = [c[-1][1] if (c := col(rs, "test/bpc")) else None for rs in seeds.values()]
-        test = [x for x in test_per_seed if x is not None]
-        entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
-                 "wall_minutes": [cfgs[f"{variant}-seed{s}"]["wall_minutes"] for s in seeds],
-                 "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
-                 # the lowest val BPC of each seed and its step: did it get worse after it?
-                 "best_val_bpc": [list(min(col(rs, "val/bpc"), key=lambda sv: sv[1])) for rs in seeds.values()],
-                 "test_bpc_per_seed": test_per_seed,
-                 # per seed: the largest rise of val BPC from one evaluation to the next (0: none)
-                 "max_val_rise": [_max_rise(col(rs, "val/bpc")) for rs in seeds.values()],
-                 # the training BPC of the last few hundred steps (EMA) beside val: do they part?
-                 "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
-                                                        for rs in seeds.values()]),
-                 "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(cfgs[f"{variant}-seed{s}"]["config"])
-                                 for s, rs in seeds.items()],
-                 "val_bpc_by_step": {str(step): _mean_std([dict(col(rs, "val/bpc"))[step] for rs in seeds.values()
-                                                           if step in dict(col(rs, "val/bpc"))])
-                                     for step in sorted({st for rs in seeds.values() for st, _ in col(rs, "val/bpc")})},
-                 "ended_nonfinite_at_step": [(cfgs[f"{variant}-seed{s}"].get("ended_nonfinite") or {}).get("step")
-                                             for s in seeds],
-                 # updates skipped as non-finite (--on-nonfinite skip), per seed
-                 "skipped_steps": [int(c[-1][1]) if (c := col(rs, "train/skipped_steps")) else 0
-                                   for rs in seeds.values()]}
-        if none_final is not None:
-            entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
-                                                for rs in seeds.values()]
-            entry["steps_to_none_final_val_smoothed_train"] = [
-                analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
-                for rs in seeds.values()]
-        mean_curve = [(int(st), d["mean"]) for st, d in entry["val_bpc_by_step"].items() if d["n"] == len(seeds)]
-        fit = analysis.fit_power_law(mean_curve)
-        if fit:  # where the mean val curve points, and how far that kind of projection has been off
-            to = analysis.power_law_steps_to(fit, TARGET_VAL_BPC)
-            per_step = _bytes_per_step(cfgs[f"{variant}-seed{min(seeds)}"]["config"])
-            entry["val_power_law"] = {**fit, "target": TARGET_VAL_BPC, "steps_to_target": to,
-                                      "train_bytes_to_target": None if to is None else to * per_step,
-                                      "backtest": analysis.backtest_power_law(mean_curve)}
-        jumps = [_redraw_jumps(col(rs, "train/bpc"),
-                               cfgs[f"{variant}-seed{s}"]["config"]["model"].get("feature_redraw_interval", 0))
-                 for s, rs in seeds.items()]
-        if any(jumps):
-            entry["redraw_jump_train_bpc"] = _mean_std([statistics.mean(j) for j in jumps if j])
-        result["variants"][variant] = entry
+        result["variants"][variant] = _variant_entry(variant, seeds, cfgs, none_final)
     result["none_final_val_bpc_mean"] = none_final
     result["paired_final_val_bpc"] = _paired(result["variants"])
+    result.update(_measured_extras(out))
+    atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
+    _curves_figure(variants, out / "val_bpc.png")
+    print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
+    return result
+
+
+def _variant_entry(variant: str, seeds: dict, cfgs: dict, none_final: float | None) -> dict:
+    """One variant's part of summary.json: its seeds' final, best and per-step BPC, and what they
+    say (rises, the power-law projection, redraw jumps)."""
+    col = _col
+    seeds = dict(sorted(seeds.items()))  # every per-seed list below follows "seeds"
+    val = [col(rs, "val/bpc")[-1][1] for rs in seeds.values()]
+    # per seed, None where a non-finite step ended the run before its test
+    test_per_seed = [c[-1][1] if (c := col(rs, "test/bpc")) else None for rs in seeds.values()]
+    test = [x for x in test_per_seed if x is not None]
+    entry = {"seeds": sorted(seeds), "steps": [col(rs, "val/bpc")[-1][0] for rs in seeds.values()],
+             "wall_minutes": [cfgs[f"{variant}-seed{s}"]["wall_minutes"] for s in seeds],
+             "final_val_bpc": _mean_std(val), "final_test_bpc": _mean_std(test) if test else None,
+             # the lowest val BPC of each seed and its step: did it get worse after it?
+             "best_val_bpc": [list(min(col(rs, "val/bpc"), key=lambda sv: sv[1])) for rs in seeds.values()],
+             "test_bpc_per_seed": test_per_seed,
+             # per seed: the largest rise of val BPC from one evaluation to the next (0: none)
+             "max_val_rise": [_max_rise(col(rs, "val/bpc")) for rs in seeds.values()],
+             # the training BPC of the last few hundred steps (EMA) beside val: do they part?
+             "final_train_bpc_smoothed": _mean_std([_smooth(col(rs, "train/bpc"))[-1][1]
+                                                    for rs in seeds.values()]),
+             "train_bytes": [col(rs, "val/bpc")[-1][0] * _bytes_per_step(cfgs[f"{variant}-seed{s}"]["config"])
+                             for s, rs in seeds.items()],
+             "val_bpc_by_step": {str(step): _mean_std([dict(col(rs, "val/bpc"))[step] for rs in seeds.values()
+                                                       if step in dict(col(rs, "val/bpc"))])
+                                 for step in sorted({st for rs in seeds.values() for st, _ in col(rs, "val/bpc")})},
+             "ended_nonfinite_at_step": [(cfgs[f"{variant}-seed{s}"].get("ended_nonfinite") or {}).get("step")
+                                         for s in seeds],
+             # updates skipped as non-finite (--on-nonfinite skip), per seed
+             "skipped_steps": [int(c[-1][1]) if (c := col(rs, "train/skipped_steps")) else 0
+                               for rs in seeds.values()]}
+    if none_final is not None:
+        entry["steps_to_none_final_val"] = [analysis.steps_to_reach(col(rs, "val/bpc"), none_final)
+                                            for rs in seeds.values()]
+        entry["steps_to_none_final_val_smoothed_train"] = [
+            analysis.steps_to_reach(_smooth(col(rs, "train/bpc")), none_final)
+            for rs in seeds.values()]
+    mean_curve = [(int(st), d["mean"]) for st, d in entry["val_bpc_by_step"].items() if d["n"] == len(seeds)]
+    fit = analysis.fit_power_law(mean_curve)
+    if fit:  # where the mean val curve points, and how far that kind of projection has been off
+        to = analysis.power_law_steps_to(fit, TARGET_VAL_BPC)
+        per_step = _bytes_per_step(cfgs[f"{variant}-seed{min(seeds)}"]["config"])
+        entry["val_power_law"] = {**fit, "target": TARGET_VAL_BPC, "steps_to_target": to,
+                                  "train_bytes_to_target": None if to is None else to * per_step,
+                                  "backtest": analysis.backtest_power_law(mean_curve)}
+    jumps = [_redraw_jumps(col(rs, "train/bpc"),
+                           cfgs[f"{variant}-seed{s}"]["config"]["model"].get("feature_redraw_interval", 0))
+             for s, rs in seeds.items()]
+    if any(jumps):
+        entry["redraw_jump_train_bpc"] = _mean_std([statistics.mean(j) for j in jumps if j])
+    return entry
+
+
+def _measured_extras(out: Path) -> dict:
+    """What the sweeps beside the curves measured, where their CSVs exist: extrapolation, the
+    attention rows' sums, and those sums at longer lengths."""
+    result = {}
     if (out / "extrapolation.csv").is_file():
         ext = defaultdict(lambda: defaultdict(list))
         for r in read_csv(out / "extrapolation.csv"):
@@ -120,9 +138,6 @@ def summary(runs: Path, out: Path) -> dict:
                 rl[r["variant"]][f"{r['factor']}L"][c].append(float(r[c]))
         result["row_sums_at_lengths"] = {v: {f: {c: _mean_std(xs) for c, xs in cs.items()}
                                              for f, cs in d.items()} for v, d in rl.items()}
-    atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
-    _curves_figure(variants, out / "val_bpc.png")
-    print(f"wrote {out}/summary.json, val_bpc.png", file=sys.stderr)
     return result
 
 
@@ -219,8 +234,13 @@ def headline(out: Path) -> str:
 def tables(out: Path) -> str:
     """The results report's tables (markdown, the reports under ``results/``) from ``summary.json``."""
     s = json.loads((out / "summary.json").read_text())
-    ms = _ms
     order = [v for v in ORDER if v in s["variants"]]
+    return "\n".join(_run_tables(s, order) + _curve_tables(s, order) + _sweep_tables(s, order))
+
+
+def _run_tables(s: dict, order: list[str]) -> list[str]:
+    """Each variant's runs: the means over seeds, then every seed."""
+    ms = _ms
     lines = ["| variant | seeds | training bytes per run | final val BPC | final test BPC | final train "
              "BPC (EMA) | steps to reach `none`'s final val BPC (val curve / smoothed train curve) | "
              "train BPC jump at a FAVOR+ redraw | updates skipped (non-finite) | minutes per run |",
@@ -255,6 +275,12 @@ def tables(out: Path) -> str:
                              + (f"{e['max_val_rise'][i]:.3f}" if "max_val_rise" in e else "–") + " | "
                              f"{e['skipped_steps'][i] if 'skipped_steps' in e else '–'} | "
                              f"{e['wall_minutes'][i]:.0f} |")
+    return lines
+
+
+def _curve_tables(s: dict, order: list[str]) -> list[str]:
+    """The curves: paired differences, val BPC by step, the power-law fits."""
+    ms, lines = _ms, []
     paired = s.get("paired_final_val_bpc")
     if paired:
         lines += ["", "| final val BPC difference (same seeds) | mean ± std | per seed |", "|---|---|---|"]
@@ -285,6 +311,12 @@ def tables(out: Path) -> str:
             lines.append(f"| `{v}` | {f['from_step']} ({f['n']}; {f['rmse']:.3f}) | {f['a']:.3f} | {reach} | "
                          + ("–" if not bt else f"{bt['predicted']:.3f} − {bt['measured']:.3f} = {bt['error']:+.3f} "
                                                f"(fit to step {bt['fit_to_step']})") + " |")
+    return lines
+
+
+def _sweep_tables(s: dict, order: list[str]) -> list[str]:
+    """The sweeps beside the runs: extrapolation, row sums at lengths, the attention rows' sums."""
+    ms, lines = _ms, []
     ext = s.get("extrapolation_test_bpc")
     if ext:
         cols = ["1L", "2L", "4L", "8L"]
@@ -319,7 +351,7 @@ def tables(out: Path) -> str:
                 r = rs[v]
                 lines.append(f"| `{v}` | {r['min']:.3f} | {r['max']:.3f} | "
                              f"{r['mean_abs_dev_from_1']:.3f} |")
-    return "\n".join(lines)
+    return lines
 
 
 def fill(root: Path) -> list[Path]:
