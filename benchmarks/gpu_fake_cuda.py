@@ -173,6 +173,7 @@ def patched(recorder: Recorder, fake_mode):
     from torch._dynamo.device_interface import CudaInterface
     from torch._inductor.graph import GraphLowering
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.driver import driver as triton_driver
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
@@ -194,6 +195,8 @@ def patched(recorder: Recorder, fake_mode):
                         ("set_device", staticmethod(lambda d: None))):
             p(CudaInterface, name, v)
         p(utriton, "triton_backend", lambda: make_backend(GPUTarget("cuda", 90, 32)))
+        # Triton's driver, asked for the target when a user kernel (triton_op) is analysed: sm_90
+        p(triton_driver, "_active", types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
         p(utriton, "triton_hash_with_backend", lambda: "F" * 64)
         p(FakeTensorMode, "avoid_device_init", property(lambda self: True))
         p(GraphLowering, "constant_name", _constant_name(GraphLowering.constant_name, fake_mode))

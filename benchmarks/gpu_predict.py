@@ -4,6 +4,8 @@
     python -m benchmarks.gpu_predict --n 1024 --variants rope,softmax --device h100 --no-decode
     python -m benchmarks.gpu_predict --quick --out /tmp/p.json   # the tiny model (the tests)
 
+How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_predict``).
+
 ESTIMATES: no GPU ran anything here. The paper preset (768 wide, 12 heads of 64, m = 266) under a
 bf16 autocast, ``LINEAR_ROPE_BACKEND=parallel`` (the chunk-parallel path), B x N = 16 x 1024
 tokens at every N, is compiled by Inductor *for the GPU* on the CPU (``gpu_fake_cuda``: fake CUDA
@@ -57,12 +59,18 @@ RULES = {
     # bmm(out_dtype=float32) (bf16 operands, fp32 output), or a GEMM with a dim < 128 or not a
     # multiple of 8 (the 266 FAVOR+ features, the 64-token chunks), or a batch of small GEMMs
     "gemm_odd_efficiency": 0.45,
-    "fp32_flops": 67e12,  # fp32 GEMMs: CUDA cores (torch's default: no TF32), at gemm_efficiency
+    "fp32_flops": 67e12,  # fp32 GEMMs (torch's default: no TF32) and fp64 ones, at gemm_efficiency
     "flash_fwd_flops": 250e12,  # flash SDPA forward, absolute rate (FLOPs 4 B H N S d, halved if causal)
     "flash_bwd_flops": 190e12,  # flash SDPA backward, absolute rate (2.5 x the forward's FLOPs)
     "triton_flops": "not counted: Inductor's fused Triton kernels are priced by their bytes",
     "other_extern": "priced by bytes (Inductor's), no FLOPs",
+    # a Triton kernel of the package's own (torch.library.triton_op: Inductor calls it as a user
+    # kernel): its bytes are Inductor's count of its arguments, its FLOPs OWN_KERNEL_FLOPS' formula
+    # of its argument shapes, run on the tensor cores at gemm_odd_efficiency
+    "own_kernel": "bytes: its arguments; FLOPs: OWN_KERNEL_FLOPS[name](shapes) at gemm_odd_efficiency",
 }
+# kernel function name -> FLOPs from its tensor arguments' shapes (a list of lists), for RULES["own_kernel"]
+OWN_KERNEL_FLOPS: dict = {}
 DEVICES = {"h100": {"name": "H100 SXM", "hbm_bytes_s": 3.35e12}, "h200": {"name": "H200", "hbm_bytes_s": 4.8e12}}
 
 
@@ -90,6 +98,11 @@ def _kernel(node) -> dict | None:
     name = str(getattr(ir, "python_kernel_name", None) or type(ir).__name__)
     ins = [x for x in getattr(ir, "inputs", []) if hasattr(x, "get_size")]
     k = {"name": name, "kind": "extern", "bytes": nbytes, "flops": 0}
+    if hasattr(ir, "get_kernel_and_metadata"):  # a user Triton kernel (the package's own)
+        fn = ir.get_kernel_and_metadata()[0]
+        fname = getattr(getattr(fn, "fn", fn), "__name__", name)
+        shapes = [_shape(x) for x in ins]
+        return dict(k, name=fname, kind="own", flops=int(OWN_KERNEL_FLOPS.get(fname, lambda sh: 0)(shapes)))
     short = name.rsplit(".", 1)[-1] if not name.endswith(".default") else name.split(".")[-2]
     if short in ("mm", "bmm", "addmm", "baddbmm", "bmm_dtype", "mm_dtype", "addmm_dtype") and len(ins) >= 2:
         a, out = ins[-2], _shape(ir)
@@ -101,7 +114,7 @@ def _kernel(node) -> dict | None:
         in_dtypes = {str(x.get_dtype()) for x in ins[-2:]}
         k.update(kind="gemm", flops=2 * batch * M * N * K, shape=[batch, M, N, K], dtype=sorted(in_dtypes),
                  out_dtype=str(ir.get_dtype()))
-        k["fp32"] = in_dtypes == {"torch.float32"}
+        k["fp32"] = in_dtypes <= {"torch.float32", "torch.float64"}
         k["odd"] = (short.endswith("_dtype") or str(ir.get_dtype()) != min(in_dtypes) or min(M, N, K) < 128
                     or N % 8 or K % 8)
     elif "attention" in short:
@@ -124,6 +137,8 @@ def price_us(k: dict, device: str) -> float:
     if k["kind"] == "gemm":
         rate = r["fp32_flops"] * r["gemm_efficiency"] if k["fp32"] else \
             r["bf16_dense_flops"] * (r["gemm_odd_efficiency"] if k["odd"] else r["gemm_efficiency"])
+    elif k["kind"] == "own":
+        rate = r["bf16_dense_flops"] * r["gemm_odd_efficiency"]
     elif k["kind"] == "flash_fwd":
         rate = r["flash_fwd_flops"]
     elif k["kind"] == "flash_bwd":
@@ -315,7 +330,8 @@ def _ints(text: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_predict", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_predict", allow_abbrev=False,
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--n", default=",".join(map(str, LENGTHS)), help="lengths N (B = 16384 / N)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="model positions: rope, none, softmax")
     ap.add_argument("--device", default="both", choices=("h100", "h200", "both"))
@@ -344,7 +360,7 @@ def main(argv=None) -> int:
         ap.exit(2, f"gpu_predict: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n")
     import triton
     doc = {"note": "ESTIMATES: Inductor's GPU kernels generated on a CPU and priced on a roofline; no GPU ran them",
-           "command": "python -m benchmarks.gpu_predict " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": " ".join(["python -m benchmarks.gpu_predict", *(argv if argv is not None else sys.argv[1:])]),
            "torch": torch.__version__, "triton": triton.__version__, "git_commit": _git_commit(),
            "preset": "tiny" if a.quick else "paper", "autocast": "bf16", "backend": "parallel",
            "optimizer": "not included", "rules": RULES, "devices": {d: DEVICES[d] for d in devices}, **res}

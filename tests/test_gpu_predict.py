@@ -19,7 +19,13 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
 
 from benchmarks import gpu_predict as gp  # noqa: E402
 
-KINDS = {"triton", "gemm", "flash_fwd", "flash_bwd", "extern"}
+KINDS = {"triton", "gemm", "flash_fwd", "flash_bwd", "extern", "own"}
+
+
+def _env():
+    """The subprocesses' environment: this repository first, no Triton interpreter (conftest's)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
 def _config(variant, depth=12, preset="tiny"):
@@ -35,8 +41,7 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_predict") / "p.json"
     cmd = [sys.executable, "-m", "benchmarks.gpu_predict", "--quick", "--variants", "rope,softmax", "--n", "64",
            "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -150,6 +155,50 @@ def test_committed_json_is_consistent():
 @pytest.mark.parametrize("args", [["--n", "100"], ["--variants", "rope,absolute"], ["--quick"]])
 def test_bad_input_is_one_line(args, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_predict", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          text=True, timeout=120, env=_env())
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("gpu_predict: error:")
+
+
+OWN = '''
+import json, torch, triton, triton.language as tl
+from torch.library import triton_op, wrap_triton
+from torch._subclasses.fake_tensor import FakeTensorMode
+from benchmarks import gpu_predict as gp
+from benchmarks.gpu_fake_cuda import compile_for_gpu, fake_cuda
+
+@triton.jit
+def double(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+@triton_op("gpu_predict_test::double", mutates_args=())
+def op(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    wrap_triton(double)[(triton.cdiv(x.numel(), 128),)](x, y, x.numel(), BLOCK=128)
+    return y
+
+gp.OWN_KERNEL_FLOPS["double"] = lambda shapes: 100000 * shapes[0][0]
+fm = FakeTensorMode()
+graphs = compile_for_gpu(lambda x: op(x + 1) * 3, [fake_cuda(fm, torch.zeros(1 << 20))], fm, gp._kernel)
+print(json.dumps([k for g in graphs for k in g["nodes"] if k is not None]))
+'''
+
+
+def test_own_triton_kernel_is_priced_by_its_bytes_and_flops(tmp_path):
+    """A triton_op of the package's own: Inductor calls it as a user kernel, listed as `own`
+    with its arguments' bytes and the FLOPs OWN_KERNEL_FLOPS states, on the tensor cores."""
+    pytest.importorskip("triton", reason="Inductor's GPU code generation needs triton (an extra)")
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler: the predictor builds its fake CUDA device guard with one")
+    script = tmp_path / "own_kernel.py"  # a file: triton.jit reads the kernel's source
+    script.write_text(OWN)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ks = json.loads(proc.stdout.strip().splitlines()[-1])
+    own = [k for k in ks if k["kind"] == "own"]
+    assert [k["name"] for k in own] == ["double"] and own[0]["flops"] == 100000 << 20
+    assert own[0]["bytes"] >= 2 * 4 << 20  # reads x, writes y (fp32)
+    rate = gp.RULES["bf16_dense_flops"] * gp.RULES["gemm_odd_efficiency"]
+    assert gp.price_us(own[0], "h100") == pytest.approx(1e6 * own[0]["flops"] / rate + gp.RULES["launch_us"])
