@@ -116,32 +116,6 @@ class RotaryLinearAttention(HeadProjections):
             return out
         return out[..., :-1] / out[..., -1:].clamp_min(ROW_SUM_FLOOR)
 
-    def _check(self, x, context, cu_seqlens, initial_state, output_final_state):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
-            raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {getattr(x, 'shape', x)!r}")
-        check_input(x, "x", "[B, N, dim]", self.to_qkv.weight)
-        if context is None:
-            return
-        if self.position != "none" or self.causal:
-            raise ValueError(
-                "context: cross-attention needs a layer with position='none' and causal=False (a query and "
-                f"a context token share no position axis); this layer has position={self.position!r}, "
-                f"causal={self.causal}"
-            )
-        if not isinstance(context, torch.Tensor) or context.dim() != 3 or context.shape[0] != x.shape[0] \
-                or context.shape[2] != x.shape[2] or context.shape[1] == 0:
-            raise ValueError(f"context must have shape [B={x.shape[0]}, M, dim={x.shape[2]}], "
-                             f"got {list(getattr(context, 'shape', []))}")
-        check_input(context, "context", "[B, M, dim]", self.to_qkv.weight)
-        if cu_seqlens is not None or initial_state is not None or output_final_state:
-            raise ValueError("context: cross-attention takes no cu_seqlens, initial_state or output_final_state")
-
-    @staticmethod
-    def _check_context_mask(context, context_mask):
-        if context_mask is not None and context is None:
-            raise ValueError("context_mask: it masks the context of cross-attention, so it has no effect without "
-                             "context=; pass mask= for the tokens of x")
-
     def forward(
         self,
         x: torch.Tensor,
@@ -168,8 +142,7 @@ class RotaryLinearAttention(HeadProjections):
                 only mask of the context (None: every context token is real); ``mask`` then masks
                 the queries only.
         """
-        self._check(x, context, cu_seqlens, initial_state, output_final_state)
-        self._check_context_mask(context, context_mask)
+        check_layer_inputs(self, x, context, context_mask, cu_seqlens, initial_state, output_final_state)
         q, k, v = self._qkv(x, context)
         B, N = x.shape[:2]
         if self.position == "rope_pre":  # RoPE on q and k, at the positions the op would use
@@ -233,3 +206,31 @@ class RotaryLinearAttention(HeadProjections):
             **(dict(base=self.base) if rotary else {}),
         )
         return self._project_out(self._renormalise(out).unsqueeze(2), x_t, wide=wide).squeeze(1), state
+
+
+def check_layer_inputs(layer: RotaryLinearAttention, x, context, context_mask, cu_seqlens, initial_state,
+                       output_final_state) -> None:
+    """The layer's input checks: ``x`` `[B, N, dim]`, and cross-attention's ``context`` (a layer
+    with position='none' and causal=False, of x's batch and width, without the self-attention
+    keywords) and ``context_mask`` (only with ``context``); one-line ValueErrors."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
+        raise ValueError(f"x must have shape [B, N, dim] with N >= 1, got {getattr(x, 'shape', x)!r}")
+    check_input(x, "x", "[B, N, dim]", layer.to_qkv.weight)
+    if context_mask is not None and context is None:
+        raise ValueError("context_mask: it masks the context of cross-attention, so it has no effect without "
+                         "context=; pass mask= for the tokens of x")
+    if context is None:
+        return
+    if layer.position != "none" or layer.causal:
+        raise ValueError(
+            "context: cross-attention needs a layer with position='none' and causal=False (a query and "
+            f"a context token share no position axis); this layer has position={layer.position!r}, "
+            f"causal={layer.causal}"
+        )
+    if not isinstance(context, torch.Tensor) or context.dim() != 3 or context.shape[0] != x.shape[0] \
+            or context.shape[2] != x.shape[2] or context.shape[1] == 0:
+        raise ValueError(f"context must have shape [B={x.shape[0]}, M, dim={x.shape[2]}], "
+                         f"got {list(getattr(context, 'shape', []))}")
+    check_input(context, "context", "[B, M, dim]", layer.to_qkv.weight)
+    if cu_seqlens is not None or initial_state is not None or output_final_state:
+        raise ValueError("context: cross-attention takes no cu_seqlens, initial_state or output_final_state")
