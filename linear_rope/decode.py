@@ -383,7 +383,7 @@ class Decoder:
         _COMPILED[self._key] = n + 1
         if n:
             warnings.warn(f"Decoder: the step compiled again for {_shape(self._key)} (compile {n + 1} of this "
-                          "shape and model: a weight's dtype or the autocast state changed)", stacklevel=4)
+                          "shape and model kind: a weight's dtype or the autocast state changed, say)", stacklevel=4)
         elif self._key[:2] in others:
             warnings.warn(f"Decoder: compiling the step for another model at {_shape(self._key)}", stacklevel=4)
         elif others:
