@@ -173,8 +173,9 @@ class Decoder:
     """Decodes ``batch_size`` rows of ``model`` (a ``PerformerLM``) token by token.
 
     Args:
-        model: the ``PerformerLM``; its weights are read live, its FAVOR+ projections at each
-            ``prefill`` / ``load`` (a redraw in between takes effect at the next one).
+        model: the ``PerformerLM``; its weights are read live (under autocast: held cast, and
+            recast at the next step when one changes; see ``refresh``), its FAVOR+ projections at
+            each ``prefill`` / ``load`` (a redraw in between takes effect at the next one).
         batch_size: rows decoded together.
         max_len: how far a row may go: prompt columns plus decoded tokens (more exactly, every
             position stays below the smallest starting position plus ``max_len``; the ``softmax``

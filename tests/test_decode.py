@@ -291,7 +291,8 @@ def test_the_compiled_step_equals_the_functional_step_and_compiles_once_per_shap
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         graphs = []
-        for max_len in (P + NEW, P + NEW, P + NEW + 8):
+        shapes = (P + NEW, P + NEW, P + NEW + 8) if kw["position"] == "rope" else (P + NEW,)
+        for max_len in shapes:
             dec = Decoder(model, len(seqs), max_len, compile=True)
             n0 = decode_mod._graphs_compiled()
             dec.prefill(ids, mask)
@@ -305,10 +306,10 @@ def test_the_compiled_step_equals_the_functional_step_and_compiles_once_per_shap
                 torch.testing.assert_close(mine.S, theirs.S, rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(mine.z, theirs.z, rtol=1e-12, atol=1e-12)
             graphs.append(decode_mod._graphs_compiled() - n0)
-    assert graphs == [1, 0, 1]
+    assert graphs == [1, 0, 1][:len(shapes)]
     assert decoder_warnings(record) == [
         f"Decoder: compiling the step for a new shape, batch_size=3, max_len={P + NEW + 8} (compiled before for "
-        f"batch_size x max_len 3x{P + NEW}); each new shape compiles once"]
+        f"batch_size x max_len 3x{P + NEW}); each new shape compiles once"][:len(shapes) - 1]
 
 
 @torch.no_grad()
