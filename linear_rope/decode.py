@@ -145,10 +145,12 @@ def _compiled_step(key: tuple, mode: str | None):
     return fn
 
 
-def _compiling() -> bool:
-    """True while dynamo traces (the compiled step's code path)."""
+def _traced(t: torch.Tensor) -> bool:
+    """True while the step is traced for a compiler: by dynamo (``torch.compile``), or by
+    AOTAutograd / ``make_fx`` directly (``compile_fx`` on a graph, as ``benchmarks.gpu_predict``
+    compiles it), which hand the step functional or fake tensors instead of the plain buffers."""
     f = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-    return f()
+    return f() or type(t) is not torch.Tensor
 
 
 def _shape(key: tuple) -> str:
@@ -490,13 +492,15 @@ class Decoder:
         with torch.autocast(h.device.type, enabled=False):
             qk, v = qk.to(cdt), v.to(cdt)
             if self.favor is not None:  # stabilised FAVOR+ (linear_rope.features), q and k at once
+                # out of place, q's and k's norms together: no in-place write on a slice keeps
+                # Inductor from fusing (a compiled step's features are 3 kernels and a GEMM)
                 proj, shifts = self.favor[i]
                 xs = qk * qk.shape[-1] ** -0.25
-                phi = torch.matmul(xs, proj).add_(shifts)  # (B, 2, H, m): w.q' + c, w.k' - c
-                phi[:, 1].sub_(xs[:, 1].square().sum(-1, keepdim=True), alpha=0.5)  # keys: - |k'|^2 / 2
-                phi[:, 0].sub_(phi[:, 0].amax(-1, keepdim=True))
-                phi[:, 1].clamp_(min=key_exponent_floor(cdt), max=0.0)
-                phi.exp_()
+                sq = xs.square().sum(-1, keepdim=True)  # |x'|^2, the keys' used
+                lin = torch.matmul(xs, proj) + shifts  # (B, 2, H, m): w.q' + c, w.k' - c
+                lq = lin[:, 0]
+                pk = lin[:, 1].sub(sq[:, 1], alpha=0.5).clamp(min=key_exponent_floor(cdt), max=0.0)  # - |k'|^2 / 2
+                phi = torch.stack(((lq - lq.amax(-1, keepdim=True)).exp(), pk.exp()), 1)
             elif attn.features.kind == "elu":
                 phi = F.elu(qk).add_(1.0)
             else:
@@ -514,7 +518,7 @@ class Decoder:
         `[B, H, e]`, denominator phi(q)^T z `[B, H, 1]`). ``Sz`` `[B, H, e + 1, m]`; ``rphi`` and
         ``phi`` `[B, 2, H, m]` (queries, keys), rotated and not; v `[B, H, d]`."""
         B, H, E, m = Sz.shape
-        if _compiling():
+        if _traced(Sz):
             # one pass over the state: each row of S^T and z is read, updated and written back,
             # and summed against the query, in one kernel (Inductor fuses the elementwise ops with
             # the sum over the contiguous m, as it fuses a layer norm's)
