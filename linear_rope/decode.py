@@ -492,15 +492,16 @@ class Decoder:
         with torch.autocast(h.device.type, enabled=False):
             qk, v = qk.to(cdt), v.to(cdt)
             if self.favor is not None:  # stabilised FAVOR+ (linear_rope.features), q and k at once
-                # out of place, q's and k's norms together: no in-place write on a slice keeps
-                # Inductor from fusing (a compiled step's features are 3 kernels and a GEMM)
+                # out of place, q and k together (a row max and a norm for each, the queries' max
+                # and the keys' norm used): no in-place write on a slice keeps Inductor from
+                # fusing; compiled, the features are two kernels and a GEMM
                 proj, shifts = self.favor[i]
                 xs = qk * qk.shape[-1] ** -0.25
-                sq = xs.square().sum(-1, keepdim=True)  # |x'|^2, the keys' used
+                sq = xs.square().sum(-1, keepdim=True)  # |x'|^2
                 lin = torch.matmul(xs, proj) + shifts  # (B, 2, H, m): w.q' + c, w.k' - c
-                lq = lin[:, 0]
-                pk = lin[:, 1].sub(sq[:, 1], alpha=0.5).clamp(min=key_exponent_floor(cdt), max=0.0)  # - |k'|^2 / 2
-                phi = torch.stack(((lq - lq.amax(-1, keepdim=True)).exp(), pk.exp()), 1)
+                is_q = torch.arange(2, device=lin.device).view(1, 2, 1, 1) == 0
+                phi = torch.where(is_q, lin - lin.amax(-1, keepdim=True),  # queries: - their max
+                                  lin.sub(sq, alpha=0.5).clamp(min=key_exponent_floor(cdt), max=0.0)).exp()  # keys
             elif attn.features.kind == "elu":
                 phi = F.elu(qk).add_(1.0)
             else:

@@ -275,8 +275,8 @@ def decoder_warnings(record) -> list[str]:
     return [str(w.message) for w in record if str(w.message).startswith("Decoder:")]
 
 
-@pytest.mark.parametrize("kw", [dict(position="rope"), dict(position="rope_norm", feature_map="relu", nb_features=None)],
-                         ids=vid)
+@pytest.mark.parametrize("kw", [dict(position="rope"),
+                                dict(position="rope_norm", feature_map="relu", nb_features=None)], ids=vid)
 @torch.no_grad()
 def test_the_compiled_step_equals_the_functional_step_and_compiles_once_per_shape(kw, monkeypatch):
     """compile=True on the CPU (Inductor's C++): the compiled step (its update and read-out as one
