@@ -419,3 +419,22 @@ def test_a_training_step_between_decoding_steps_is_decoded_with_the_new_weights(
         p.data.mul_(-1.5)  # through .data: no version counter moves
     dec.refresh()
     check(old)
+
+
+@torch.no_grad()
+def test_the_compiled_step_under_autocast_runs_on_the_held_weights(monkeypatch):
+    """compile=True under bfloat16 autocast: one compile, the eager Decoder's logits (both on the
+    held bfloat16 weights)."""
+    fresh_compiles(monkeypatch)
+    model = tiny(position="rope")
+    ids, mask, _ = ragged()
+    dec, eager = Decoder(model, 3, 20, compile=True), Decoder(model, 3, 20, compile=False)
+    n0 = decode_mod._graphs_compiled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tok = dec.prefill(ids, mask).argmax(-1)
+        eager.prefill(ids, mask)
+        for _ in range(3):
+            got, want = dec.step(tok), eager.step(tok)
+            assert got.dtype == torch.bfloat16 and dec._w is not None
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert decode_mod._graphs_compiled() - n0 == 1
