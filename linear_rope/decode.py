@@ -492,16 +492,23 @@ class Decoder:
         with torch.autocast(h.device.type, enabled=False):
             qk, v = qk.to(cdt), v.to(cdt)
             if self.favor is not None:  # stabilised FAVOR+ (linear_rope.features), q and k at once
-                # out of place, q and k together (a row max and a norm for each, the queries' max
-                # and the keys' norm used): no in-place write on a slice keeps Inductor from
-                # fusing; compiled, the features are two kernels and a GEMM
                 proj, shifts = self.favor[i]
                 xs = qk * qk.shape[-1] ** -0.25
-                sq = xs.square().sum(-1, keepdim=True)  # |x'|^2
-                lin = torch.matmul(xs, proj) + shifts  # (B, 2, H, m): w.q' + c, w.k' - c
-                is_q = torch.arange(2, device=lin.device).view(1, 2, 1, 1) == 0
-                phi = torch.where(is_q, lin - lin.amax(-1, keepdim=True),  # queries: - their max
-                                  lin.sub(sq, alpha=0.5).clamp(min=key_exponent_floor(cdt), max=0.0)).exp()  # keys
+                if _traced(xs):
+                    # out of place, q and k together (a row max and a norm for each, the queries'
+                    # max and the keys' norm used): no in-place write on a slice keeps Inductor
+                    # from fusing; compiled, the features and their rotation are a GEMM and a kernel
+                    sq = xs.square().sum(-1, keepdim=True)  # |x'|^2
+                    lin = torch.matmul(xs, proj) + shifts  # (B, 2, H, m): w.q' + c, w.k' - c
+                    is_q = torch.arange(2, device=lin.device).view(1, 2, 1, 1) == 0
+                    phi = torch.where(is_q, lin - lin.amax(-1, keepdim=True),  # queries: - their max
+                                      lin.sub(sq, alpha=0.5).clamp(min=key_exponent_floor(cdt), max=0.0)).exp()
+                else:  # eagerly, in place: fewer operations (the same values)
+                    phi = torch.matmul(xs, proj).add_(shifts)  # (B, 2, H, m): w.q' + c, w.k' - c
+                    phi[:, 1].sub_(xs[:, 1].square().sum(-1, keepdim=True), alpha=0.5)  # keys: - |k'|^2 / 2
+                    phi[:, 0].sub_(phi[:, 0].amax(-1, keepdim=True))
+                    phi[:, 1].clamp_(min=key_exponent_floor(cdt), max=0.0)
+                    phi.exp_()
             elif attn.features.kind == "elu":
                 phi = F.elu(qk).add_(1.0)
             else:
