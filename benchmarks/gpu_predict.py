@@ -190,12 +190,14 @@ def compile_decode(quick: bool = False) -> list[dict]:
     from linear_rope.decode import Decoder
     model = _model("rope", 2 if quick else 12, quick).eval()
     dec = Decoder(model, DECODE_BATCH, 64 if quick else DECODE_LEN, compile=False)
-    attrs = [a for a in ("Sz", "positions", "first", "rope", "rope_pre", "favor", "k", "v", "key_mask", "slot")
-             if getattr(dec, a, None) is not None]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        held = dec._sync_weights()  # as a step under bf16 autocast: the weights held in bf16, autocast off
+    attrs = [a for a in ("Sz", "vz", "_w", "positions", "first", "rope", "rope_pre", "favor", "k", "v", "key_mask",
+                         "slot") if getattr(dec, a, None) is not None]
     flat, spec = tree_flatten({a: getattr(dec, a) for a in attrs})
     named = dict(model.named_parameters(), **dict(model.named_buffers()))
     fm = FakeTensorMode()
-    inputs = [fake_cuda(fm, t) for t in named.values()] + [fake_cuda(fm, t) for t in flat]
+    inputs = [fake_cuda(fm, t) for t in named.values()] + [None if t is None else fake_cuda(fm, t) for t in flat]
     inputs.append(fake_cuda(fm, torch.zeros(DECODE_BATCH, dtype=torch.long)))
     P, S = len(named), len(flat)
 
@@ -203,7 +205,7 @@ def compile_decode(quick: bool = False) -> list[dict]:
         for a, v in tree_unflatten(list(args[P:P + S]), spec).items():
             setattr(dec, a, v)
         with torch.no_grad(), _reparametrize_module(model, dict(zip(named, args[:P]))), \
-                torch.autocast("cuda", dtype=torch.bfloat16):
+                torch.autocast("cuda", dtype=torch.bfloat16, enabled=not held):
             return dec._forward_step(args[-1])
     return compile_for_gpu(step, inputs, fm, _kernel)
 

@@ -253,3 +253,183 @@ def test_hugging_face_cached_steps_run_on_the_decoder(position, monkeypatch):
         assert cache.decoder is not None
         if t:
             assert c["syncs"] == 0, c["syncs_by_op"]
+
+
+# -- the compiled step, and the weights held in the autocast dtype ------------------------------
+
+
+def fresh_compiles(monkeypatch, limit=None):
+    """No compiled step shared with earlier tests: each test counts its own compiles."""
+    monkeypatch.setattr(decode_mod, "_STEPS", {})
+    monkeypatch.setattr(decode_mod, "_COMPILED", {})
+    if limit is not None:
+        monkeypatch.setattr(decode_mod, "_RECOMPILE_LIMIT", limit)
+
+
+def decoder_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("Decoder:")]
+
+
+@pytest.mark.parametrize("kw", [dict(position="rope"),
+                                dict(position="rope_norm", feature_map="relu", nb_features=None)], ids=vid)
+@torch.no_grad()
+def test_the_compiled_step_equals_the_functional_step_and_compiles_once_per_shape(kw, monkeypatch):
+    """compile=True on the CPU (Inductor's C++): the compiled step (its update and read-out as one
+    pass over the state) equals ``PerformerLM.step`` in float64; a second Decoder of the same
+    (batch_size, max_len) compiles nothing, a new max_len compiles once and says so in one line."""
+    import warnings
+
+    fresh_compiles(monkeypatch)
+    model = tiny(**kw).double()
+    ids, mask, seqs = ragged()
+    P = ids.shape[1]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        graphs = []
+        shapes = (P + NEW, P + NEW, P + NEW + 8) if kw["position"] == "rope" else (P + NEW,)
+        for max_len in shapes:
+            dec = Decoder(model, len(seqs), max_len, compile=True)
+            n0 = decode_mod._graphs_compiled()
+            dec.prefill(ids, mask)
+            _, states = model(ids, mask=mask, output_final_state=True)
+            pos = mask.sum(1)
+            for t in range(NEW):
+                tok = torch.stack([s[len(s) - NEW + t] for s in seqs])
+                want, states = model.step(tok, states, pos + t)
+                torch.testing.assert_close(dec.step(tok), want, rtol=1e-12, atol=1e-12)
+            for mine, theirs in zip(dec.states, states):
+                torch.testing.assert_close(mine.S, theirs.S, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(mine.z, theirs.z, rtol=1e-12, atol=1e-12)
+            graphs.append(decode_mod._graphs_compiled() - n0)
+    assert graphs == [1, 0, 1][:len(shapes)]
+    assert decoder_warnings(record) == [
+        f"Decoder: compiling the step for a new shape, batch_size=3, max_len={P + NEW + 8} (compiled before for "
+        f"batch_size x max_len 3x{P + NEW}); each new shape compiles once"][:len(shapes) - 1]
+
+
+@torch.no_grad()
+def test_past_the_recompile_limit_the_step_says_so_and_decodes_eagerly(monkeypatch):
+    """A recompile past the shape's limit (here 1: the autocast state changes the step's graph)
+    is one warning and the eager step's result, never a silent eager fallback."""
+    import warnings
+
+    fresh_compiles(monkeypatch, limit=1)
+    model = tiny(position="rope")
+    ids, mask, _ = ragged()
+    dec, eager = Decoder(model, 3, 20, compile=True), Decoder(model, 3, 20, compile=False)
+    tok = dec.prefill(ids, mask).argmax(-1)
+    eager.prefill(ids, mask)
+    torch.testing.assert_close(dec.step(tok), eager.step(tok), rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings(record=True) as record, torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        got, want = dec.step(tok), eager.step(tok)
+    assert decoder_warnings(record) == ["Decoder: torch.compile failed, decoding eagerly (its recompile limit (1) "
+                                        "for batch_size=3, max_len=20 is reached)"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class CastRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The sizes of the tensors cast or copied (``_to_copy``, ``copy_``) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+            self.sizes.append(args[-1].numel() if func.overloadpacket is torch.ops.aten.copy_ else args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def autocast_reference(model, tok, states, pos):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model.step(tok, states, pos)
+
+
+@pytest.mark.parametrize("kw", [dict(position="rope"), dict(position="rope_norm"), dict(position="softmax"),
+                                dict(position="absolute", qk_norm=True)], ids=vid)
+@torch.no_grad()
+def test_under_autocast_the_step_casts_no_weight_and_gives_the_autocast_step(kw):
+    """A float32 model under bfloat16 autocast: the Decoder casts its weights at the first step and
+    never again (no tensor the size of a weight is cast or copied per step), and its logits are
+    those of ``PerformerLM.step`` under the same autocast (bfloat16 GEMMs both)."""
+    model = tiny(**kw)
+    ids, mask, seqs = ragged()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, states = model(ids, mask=mask, output_final_state=True)
+        dec = Decoder(model, len(seqs), ids.shape[1] + NEW + 1)
+        dec.prefill(ids, mask)
+    smallest = min(p.numel() for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2
+                   and "emb" not in n)
+    pos = mask.sum(1)
+    for t in range(NEW):
+        tok = torch.stack([s[len(s) - NEW + t] for s in seqs])
+        want, states = autocast_reference(model, tok, states, pos + t)
+        with CastRecorder() as rec, torch.autocast("cpu", dtype=torch.bfloat16):
+            got = dec.step(tok)
+        big = [n for n in rec.sizes if n >= smallest]
+        assert (len(big) > 0) == (t == 0), (t, big)  # the first step casts the weights, no later one
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = count_dispatch(lambda: dec.step(tok))
+    assert c["syncs"] == 0, c["syncs_by_op"]
+
+
+@torch.no_grad()
+def test_a_training_step_between_decoding_steps_is_decoded_with_the_new_weights():
+    """The held bfloat16 weights follow the model: after an optimizer step (in-place updates, seen
+    by the weights' version counters on the host) and after ``refresh()`` (a write through
+    ``.data``, which no version counter sees), the next token uses the new weights."""
+    import copy
+
+    model = tiny(position="rope")
+    ids, mask, seqs = ragged()
+    dec = Decoder(model, len(seqs), ids.shape[1] + 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tok = dec.prefill(ids, mask).argmax(-1)
+        dec.step(tok)
+    pos = mask.sum(1) + 1
+
+    def check(old):
+        states = [type(s)(s.S.clone(), s.z.clone()) for s in dec.states]
+        want, _ = autocast_reference(model, tok, states, pos + dec._steps - 1)
+        stale, _ = autocast_reference(old, tok, states, pos + dec._steps - 1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = dec.step(tok)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+        assert (stale.float() - want.float()).abs().max() > 0.2  # the old weights give other logits
+
+    old = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    with torch.enable_grad():
+        model.train()
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        opt.step()
+        model.eval()
+    check(old)
+    old = copy.deepcopy(model)
+    for p in model.parameters():
+        p.data.mul_(-1.5)  # through .data: no version counter moves
+    dec.refresh()
+    check(old)
+
+
+@torch.no_grad()
+def test_the_compiled_step_under_autocast_runs_on_the_held_weights(monkeypatch):
+    """compile=True under bfloat16 autocast: one compile, the eager Decoder's logits (both on the
+    held bfloat16 weights)."""
+    fresh_compiles(monkeypatch)
+    model = tiny(position="rope")
+    ids, mask, _ = ragged()
+    dec, eager = Decoder(model, 3, 20, compile=True), Decoder(model, 3, 20, compile=False)
+    n0 = decode_mod._graphs_compiled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tok = dec.prefill(ids, mask).argmax(-1)
+        eager.prefill(ids, mask)
+        for _ in range(3):
+            got, want = dec.step(tok), eager.step(tok)
+            assert got.dtype == torch.bfloat16 and dec._w is not None
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert decode_mod._graphs_compiled() - n0 == 1
