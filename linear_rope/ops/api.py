@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import debug_checks, is_compiling, is_transformed
+from ..checks import is_compiling, is_transformed
 from .backend import choose, record, takes_parallel
 from .chunk import bidirectional, chunked_causal, documents
 from .composite import composite_causal
+from .parallel import checks_enabled
 from .prepare import check_sizes, parallel_path, run_torch
 from .utils import LinearAttentionState, Options, check_args
 
@@ -96,8 +97,8 @@ def rotary_linear_attention(
                    key_mask=key_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                    allow_negative=allow_negative, output_final_state=output_final_state)
     # The chunk-parallel backend stands for the GPU: its checks read no tensor value (no host sync)
-    # unless LINEAR_ROPE_CHECKS=1; every other path reads them.
-    read = not (isinstance(q, torch.Tensor) and takes_parallel(q)) or debug_checks()
+    # unless LINEAR_ROPE_CHECKS=1 (compiled: torch._assert_async); every other path reads them.
+    read = not (isinstance(q, torch.Tensor) and takes_parallel(q)) or checks_enabled()
     a = check_args(q, k, v, opts, read_values=read)
     check_sizes(chunk_size, block_size, causal)
     transformed = is_transformed(q, k, v, *(a.state or ()))
@@ -105,12 +106,12 @@ def rotary_linear_attention(
                   eager=not is_compiling() and not transformed)
     if path == "fla":  # forced: fla-core's kernels or an error
         return _forced_fla(q, k, v, opts._asdict())
-    if path == "parallel":
-        return run_torch(parallel_path(q, block_size), q, k, v, a, opts, chunk_size, block_size, par=True, read=read)
-    if causal and torch.jit.is_tracing():
+    par = path == "parallel"
+    if causal and not par and torch.jit.is_tracing():
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
-    return run_torch(_PATHS[path], q, k, v, a, opts, chunk_size, block_size, par=False, read=read)
+    fn = parallel_path(q, block_size) if par else _PATHS[path]
+    return run_torch(fn, q, k, v, a, opts, chunk_size, block_size, par=par, read=read)
 
 
 _PATHS = {"torch": chunked_causal, "composite": composite_causal, "bidirectional": bidirectional,
