@@ -1,4 +1,4 @@
-"""Attention op, both ways in: FAVOR+ inside (`projection=`) and features in, vs SDPA and performer.
+"""Attention op, both ways in: FAVOR+ inside (`projection=`) and features in, vs SDPA.
 
     python -m benchmarks.attention [--quick]
 
@@ -12,22 +12,23 @@ import torch
 import torch.nn.functional as F
 
 from linear_rope import FavorFeatures
+from linear_rope.ops.chunk import CHUNK
 
 from .common import (
-    chunk_size, cli, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, ours_attention, ours_features_in,
-    ours_path, quiet, report, setup, target,
+    cli, fmt, gemm_n, gemm_probe, interleaved, machine_peak, median, ours_attention, ours_features_in,
+    ours_path, report, setup, target,
 )
 
 NAME = "attention"
 B, H, D, M = 1, 12, 64, 266
-IMPLS = ("ours_inside", "ours_features_in", "sdpa", "performer")
+IMPLS = ("ours_inside", "ours_features_in", "sdpa")
 OURS = ("ours_inside", "ours_features_in")
 # warmup_n: one warmup call of every impl before the first round. efficiency_ns: where the
 # efficiency targets are read (the FAVOR+-inside path; features in at the middle one only).
 FULL = dict(ns=(1024, 1536, 2048, 4096, 16384), efficiency_ns=(1024, 4096, 16384), warmup_n=256,
-            budget_s={16384: 110.0}, default_budget_s=45.0, max_rounds=5, performer_ns=())
+            budget_s={16384: 110.0}, default_budget_s=45.0, max_rounds=5)
 QUICK = dict(ns=(64, 96, 128), efficiency_ns=(64, 96, 128), warmup_n=32, budget_s={},
-             default_budget_s=3.0, max_rounds=1, performer_ns=(64,))
+             default_budget_s=3.0, max_rounds=1)
 SDPA_MAX_N = 16384  # exact attention is O(N^2) work
 FLOP_CHUNK = 64  # the C of the FLOP count (fla's chunk size), independent of the op's own
 
@@ -45,35 +46,20 @@ def sdpa_flops(n: int, *, d: int = D, heads: int = B * H, backward: bool = True)
     return 2 * n * n * d * heads * (3 if backward else 1)
 
 
-def skip_reason(impl: str, mode: str, n: int) -> str | None:
-    """Why (impl, mode, n) is not run anywhere, or None. Shared with ``benchmarks.memory``."""
-    if impl == "performer" and n > 4096:  # its CPU path keeps an [N, m, d] prefix-sum tensor
-        if mode == "fwd":
-            return "[N,m,d] prefix sums, too slow"
-        return f"[N,m,d] prefix sums kept, {B * H * n * M * D * 4 / 2**30:.0f} GiB"
-    if impl == "sdpa" and n > SDPA_MAX_N:
-        return f"O(N^2), {sdpa_flops(n, backward=mode != 'fwd') / 1e12:.0f} TFLOP/call"
-    return None
+def skip_reason(impl: str, n: int) -> str | None:
+    """Why (impl, n) is not run, or None."""
+    return f"O(N^2), {sdpa_flops(n) / 1e12:.0f} TFLOP/call" if impl == "sdpa" and n > SDPA_MAX_N else None
 
 
-def make_op(impl: str, features: FavorFeatures, performer=None):
+def make_op(impl: str, features: FavorFeatures):
     """impl name -> f(q, k, v) -> out, all `[B, H, N, d]`; Eq. 19 for ours."""
     if impl == "ours_inside":
         return lambda q, k, v: ours_attention(q, k, v, features, True)
     if impl == "ours_features_in":
         return lambda q, k, v: ours_features_in(q, k, v, features, True)
-    if impl == "performer":
-        return performer
     if impl == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-
-
-def make_performer():
-    with quiet():
-        from performer_pytorch import FastAttention
-
-        return FastAttention(dim_heads=D, nb_features=M, causal=True)
 
 
 def make_inputs(n: int, seed: int = 0):
@@ -83,18 +69,12 @@ def make_inputs(n: int, seed: int = 0):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), up
 
 
-def make_call(op, mode: str, q, k, v, up):
-    """A zero-argument call running ``op`` once in ``mode`` ("fwd" under no_grad, or "fwd+bwd");
-    it keeps no output alive."""
-    if mode == "fwd":
-        def call():
-            with torch.no_grad():
-                op(q, k, v)
-    else:
-        def call():
-            for t in (q, k, v):
-                t.grad = None
-            op(q, k, v).backward(up)
+def make_call(op, q, k, v, up):
+    """A zero-argument call running ``op`` once forward and backward; it keeps no output alive."""
+    def call():
+        for t in (q, k, v):
+            t.grad = None
+        op(q, k, v).backward(up)
     return call
 
 
@@ -146,23 +126,21 @@ def main(quick: bool = False, out_dir=None) -> dict:
     cfg = QUICK if quick else FULL
     setup(quick)
     features = FavorFeatures(D, M)
-    impls = [i for i in IMPLS if i != "performer" or cfg["performer_ns"]]
-    ops = {impl: make_op(impl, features, make_performer() if impl == "performer" else None) for impl in impls}
+    impls = list(IMPLS)
+    ops = {impl: make_op(impl, features) for impl in impls}
     warm = make_inputs(cfg["warmup_n"])
     for impl in impls:
-        make_call(ops[impl], "fwd+bwd", *warm)()
+        make_call(ops[impl], *warm)()
     ms: dict[str, dict[int, float]] = {i: {} for i in impls}
     raw, skipped, rounds, gemm_rate = {}, {}, {}, {}
     for n in cfg["ns"]:
         q, k, v, up = make_inputs(n)
         calls = {}
         for impl in impls:
-            why = skip_reason(impl, "fwd+bwd", n) or (
-                "reference, not timed at this N" if impl == "performer" and n not in cfg["performer_ns"] else None)
-            if why:
+            if why := skip_reason(impl, n):
                 skipped[f"{impl}/{n}"] = why
             else:
-                calls[impl] = make_call(ops[impl], "fwd+bwd", q, k, v, up)
+                calls[impl] = make_call(ops[impl], q, k, v, up)
         gemm = calls["gemm"] = gemm_probe(gemm_n(quick))
         times = interleaved(calls, warmup=0, rounds=cfg["max_rounds"],
                             budget_s=cfg["budget_s"].get(n, cfg["default_budget_s"]))
@@ -192,7 +170,7 @@ def main(quick: bool = False, out_dir=None) -> dict:
         rows.append(cells)
     result = {
         "name": NAME, "quick": quick,
-        "config": {"B": B, "H": H, "d": D, "m": M, "chunk": chunk_size(), "ns": list(cfg["ns"]), "ours": ours_path(),
+        "config": {"B": B, "H": H, "d": D, "m": M, "chunk": CHUNK, "ns": list(cfg["ns"]), "ours": ours_path(),
                    "max_rounds": cfg["max_rounds"], "rounds": rounds},
         "ms": ms, "times_s": raw, "skipped": skipped, "gemm_gflop_per_s_same_rounds": gemm_rate,
         "gemm_peak_gflop_per_s_at_start": machine_peak(quick),

@@ -1,18 +1,11 @@
-"""The benchmarks' one core: the "ours" callable, the timers (interleaved rounds on the CPU, CUDA
-events on a GPU: ``measure``), GEMM peak, budgets, tables, JSON and Markdown, machine info, the CLI.
+"""The benchmarks' one core: the "ours" callable, one timer for CPU and GPU (``time_call``, under
+``interleaved`` rounds and the GPU window's ``measure``), GEMM peak, tables, JSON, the CLI.
 
-Every benchmark module has ``main(quick=False, out_dir=None) -> dict``. It prints its table,
-writes ``<out_dir>/<name>.json`` (default ``benchmarks/results``) and returns a result dict
-that ``benchmarks.run`` renders into BENCHMARKS.md::
-
-    name, quick, config   what ran (sizes, rounds, model dims)
-    table                 {"headers": [...], "rows": [[...], ...]}, cells already formatted
-    targets               [{"name", "value", "op", "threshold", "pass"}]
-    notes                 [str], e.g. why a configuration was skipped
-    ...                   the raw numbers, benchmark-specific
-
-Timings are medians over interleaved rounds in one process (``interleaved``): the machine is
-shared, so only ratios between implementations timed side by side mean much.
+Every CPU benchmark module has ``main(quick=False, out_dir=None) -> dict``: it prints its table,
+writes ``<out_dir>/<name>.json`` (default ``benchmarks/results``) and returns a dict with
+``name, quick, config, table {headers, rows}, targets [{name, value, op, threshold, pass}], notes``
+and its raw numbers, which ``benchmarks.run`` renders into BENCHMARKS.md. Timings are medians of
+interleaved rounds in one process: on a shared machine only ratios timed side by side mean much.
 """
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ import bz2
 import contextlib
 import functools
 import gzip
-import io
 import json
 import lzma
 import math
@@ -80,18 +72,6 @@ def ours_path() -> str:
             f"chunk {CHUNK}, block {BLOCK})")
 
 
-def chunk_size() -> int:
-    """The chunk length C of ``ours_attention`` (for the FLOP count)."""
-    return CHUNK
-
-
-@contextlib.contextmanager
-def quiet():
-    """Swallow stdout: performer-pytorch prints a warning when it falls back to its CPU path."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
-
-
 # --- timing ----------------------------------------------------------------------------------
 
 def time_call(fn: Callable[[], object], device: torch.device | None = None) -> float:
@@ -107,29 +87,24 @@ def time_call(fn: Callable[[], object], device: torch.device | None = None) -> f
     return time.perf_counter() - t0
 
 
-def interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, rounds: int | dict[str, int] = 5,
-                min_rounds: int = 1, budget_s: float | None = None) -> dict[str, list[float]]:
-    """Seconds per call of each fn, run round-robin: every round calls each fn once, starting
-    one place later each round, so slow drifts of the shared machine hit all of them alike.
-
-    ``rounds`` caps the rounds (per name with a dict; a name sits out once its cap is met).
-    After ``min_rounds``, no new round starts when it would likely end past ``budget_s``.
-    """
+def interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, rounds: int = 5,
+                budget_s: float | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each fn (``time_call``), run round-robin: every round calls each fn
+    once, starting one place later each round, so slow drifts of the shared machine hit all of
+    them alike. At most ``rounds``; after the first, no new round starts when it would likely
+    end past ``budget_s``."""
     names = list(fns)
-    caps = rounds if isinstance(rounds, dict) else {n: rounds for n in names}
     for _ in range(warmup):
         for n in names:
             fns[n]()
     times: dict[str, list[float]] = {n: [] for n in names}
-    start, r = time.perf_counter(), 0
-    while r < max(caps.values()):
+    start = time.perf_counter()
+    for r in range(rounds):
         t_round = time.perf_counter()
         for n in names[r % len(names):] + names[: r % len(names)]:
-            if r < caps[n]:
-                times[n].append(time_call(fns[n]))
-        r += 1
+            times[n].append(time_call(fns[n]))
         now = time.perf_counter()
-        if budget_s is not None and r >= min_rounds and (now - start) + (now - t_round) > budget_s:
+        if budget_s is not None and (now - start) + (now - t_round) > budget_s:
             break
     return times
 
@@ -155,15 +130,6 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-@functools.lru_cache(maxsize=None)
-def gemm_peak(n: int = 2048, reps: int = 7) -> float:
-    """Measured fp32 GEMM rate, GFLOP/s: best of ``reps`` [n, n] @ [n, n] products on the
-    current thread count (call ``setup`` first). Cached, so one run measures it once."""
-    probe = gemm_probe(n, reps)
-    probe()
-    return probe.rates[0]
-
-
 def gemm_probe(n: int = 2048, reps: int = 3) -> Callable[[], None]:
     """A call for ``interleaved`` rounds: each call appends to ``call.rates`` the best GFLOP/s
     of ``reps`` fp32 [n, n] @ [n, n] products. Timed in the same rounds as a workload, it gives
@@ -185,9 +151,13 @@ def gemm_n(quick: bool = False) -> int:
     return 512 if quick else 2048
 
 
+@functools.lru_cache(maxsize=None)
 def machine_peak(quick: bool = False) -> float:
-    """``gemm_peak`` at ``gemm_n``, measured once per process (for the record)."""
-    return gemm_peak(gemm_n(quick))
+    """Measured fp32 GEMM rate, GFLOP/s: best of 7 products at ``gemm_n`` on the current thread
+    count (call ``setup`` first), measured once per process (for the record)."""
+    probe = gemm_probe(gemm_n(quick), 7)
+    probe()
+    return probe.rates[0]
 
 
 # --- reporting -------------------------------------------------------------------------------

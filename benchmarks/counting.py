@@ -26,9 +26,9 @@ Rules:
 * **dispatcher calls**: every op the dispatch mode sees, views, allocations and custom ops
   included; a composite op that reaches the mode whole (inside a custom op's body, below
   autograd) counts as the ops it decomposes into, as it does everywhere else. The host-time
-  estimate is calls x ``US_PER_CALL`` = 9 us (``benchmarks.launches``' calibration). The CPU's
-  buffer pool (``ops/workspace.py``) is cleared before each count, so every buffer is a fresh
-  allocation, as on a GPU.
+  estimate is calls x ``US_PER_CALL`` = 9 us (the H200's 8.1-10.5 us a call: ``calibration`` in
+  ``results/launches_baseline.json``, commit 011edba). The CPU's buffer pool (``ops/workspace.py``)
+  is cleared before each count, so every buffer is a fresh allocation, as on a GPU.
 * **GEMM FLOPs** by operand dtype: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (2 per multiply-add),
   to show what runs in fp32 under bf16 autocast.
 * Each sync is attributed to the innermost stack frame in ``linear_rope/`` outside ``checks.py``

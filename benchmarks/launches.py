@@ -72,8 +72,6 @@ def attention_layer(cfg, N: int, B: int = 1) -> dict:
     return res
 
 
-# fla-core 0.6.0's chunk_linear_attn (simple_gla with no gates): forward chunk_fwd_h, chunk_fwd_o;
-# backward chunk_fwd_h (recomputed), chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv.
 def model_step(cfg, N: int, B: int = 1) -> dict:
     """One step of the model: forward (bf16 autocast), loss (fp32 cross-entropy), backward, clip."""
     from linear_rope import PerformerLM
@@ -128,21 +126,6 @@ def _decode_step(model, B: int):
     return one
 
 
-def _decode_loop(model, B: int):
-    """One iteration of ``generate``'s loop (no autocast, as ``generate`` runs): sample the next
-    token (temperature 1, top_k 8), then ``step``."""
-    from linear_rope.model import sample_next
-
-    logits, states, pos = _prefill(model, B)
-    logits = logits.float()
-
-    @torch.no_grad()
-    def one():
-        nxt = sample_next(logits, temperature=1.0, top_k=8)
-        return model.step(nxt, states, pos)[0].float()
-    return one
-
-
 def _decoder_step(model, B: int):
     """``Decoder.step`` (what ``generate`` runs): state preallocated and updated in place, after a
     prefill of 16 tokens; the next token is the last logits' argmax, on the device."""
@@ -159,7 +142,7 @@ def _decoder_step(model, B: int):
 
 # What a decode step is: name -> make(model, B) -> a callable running one step. A new decoder
 # is one more line here.
-DECODERS = {"PerformerLM.step": _decode_step, "generate loop iteration": _decode_loop, "Decoder.step": _decoder_step}
+DECODERS = {"PerformerLM.step": _decode_step, "Decoder.step": _decoder_step}
 
 
 def decode(cfg, decoder: str, B: int = 1, compiled: bool = False) -> dict:
@@ -303,20 +286,6 @@ def run(preset: str, ns, depth: int, decode_batch: int, compiled: bool, log=prin
     return res
 
 
-def calibration(res: dict, ns) -> dict:
-    """What the H200's two host-bound timings give per dispatcher call, against ``US_PER_CALL``."""
-    out = {"us_per_call_used": US_PER_CALL}
-    if res.get("preset") != "paper":
-        return {**out, "note": "the H200's timings are of the paper preset; not compared here"}
-    if 1024 in ns:
-        calls = res["attention"][1024]["op_fwd_bwd"]["dispatcher_calls"]
-        out["op_fwd_bwd_B1_N1024"] = {"dispatcher_calls": calls, "h200_ms": 11.2,
-                                      "us_per_call": round(11.2e3 / calls, 2)}
-    calls = res["decode"]["PerformerLM.step"]["eager"]["dispatcher_calls"]
-    out["decode_step_B8"] = {"dispatcher_calls": calls, "h200_ms": 25.4, "us_per_call": round(25.4e3 / calls, 2)}
-    return out
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.launches", allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--backend", default=None, help="LINEAR_ROPE_BACKEND for the run (torch, auto, ...; default: "
@@ -351,7 +320,7 @@ def _main(a, ns, argv) -> dict:
            "torch": torch.__version__, "quick": a.quick, "depth": depth, "B": 1,
            "decode_batch": 2 if a.quick else 8, "autocast": "bf16 on the CPU", "ns": ns,
            "rules": counting.__doc__.split("Rules:")[1].strip(),
-           "calibration": calibration(res, ns), **res, "seconds": round(time.perf_counter() - t0, 1)}
+           "us_per_call": US_PER_CALL, **res, "seconds": round(time.perf_counter() - t0, 1)}
     path = Path(a.out) if a.out else OUT
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -1,17 +1,13 @@
 """Run every benchmark, write ``benchmarks/results/<name>.json`` and (re)write BENCHMARKS.md.
 
-    python -m benchmarks.run                 # every target: about 20 min on 2 idle cores
+    python -m benchmarks.run                 # every target: about 7 min on 2 idle cores
     python -m benchmarks.run --quick         # tiny sizes; writes under benchmarks/results/quick/
-    python -m benchmarks.run --only memory   # re-run one benchmark; the others' sections come from
+    python -m benchmarks.run --only training # re-run one benchmark; the others' sections come from
                                              # their JSON files, marked as from an earlier run
 
 Run from the repository root. BENCHMARKS.md is generated: edit this file, not that one. Besides
 each benchmark's JSON it writes ``summary.json`` (every target with PASS/MISS, the machine, its
-GEMM rate and the load average before and after), and appends ``benchmarks/results/gpu/window.md``
-(written by ``python -m benchmarks.gpu`` on a GPU) when that file exists.
-
-``busy_neighbour`` (a run beside a busy loop, about 18 min) is not part of the default run: it
-runs with ``--only busy_neighbour``, and its section is shown only in the run that ran it.
+GEMM rate and the load average before and after).
 """
 from __future__ import annotations
 
@@ -22,74 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import attention, bounds, busy_neighbour, generation, keywords, leak, lm_training, memory, training
-from . import compile as compile_bench
+from . import attention, generation, training
 from .common import (
     REPO_ROOT, RESULTS_DIR, THREADS_ENV, fmt, format_table, gemm_n, load_average, machine_info, machine_peak, ours_path,
     setup, target_line, write_json,
 )
 
-# The default run, in order (bounds last: it reads training.json of the same run).
-BENCHMARKS = {m.NAME: m for m in (attention, keywords, memory, compile_bench, training, generation, lm_training, leak,
-                                   bounds)}
-OPT_IN = {busy_neighbour.NAME: busy_neighbour}  # only with --only
-GPU_MD = RESULTS_DIR / "gpu" / "window.md"
-
-
-def misses_section(results: dict[str, dict]) -> list[str]:
-    """"What bounds the misses": for each MISS, the figure of this run that bounds it (from
-    ``bounds``, the profiles, and the FLOP counts of ``attention``)."""
-    misses = [(n, t) for n, r in results.items() for t in r["targets"] if t["pass"] is False]
-    b = results.get("bounds")
-    if not misses or b is None or b.get("quick") or "training_steps" not in b:
-        return []
-    ours = b["ours"]
-    self_ms = sum(ours["self_ms"].values())
-    gemm_share = ours["self_ms"]["gemm"] / self_ms
-    n = b["config"]["n"]
-    busiest = ", ".join(f"{k} {fmt(v)} ms" for k, v in ours["busiest_ms"].items() if k not in bounds.GEMM_OPS)
-    op_line = (f"**The op's profile** (`bounds`, FAVOR+ inside at N={n} fwd+bwd ({fmt(ours['wall_ms'])} ms profiled): "
-               f"GEMMs run at {fmt(ours['gemm_gflop_per_s'])} GFLOP/s "
-               f"({fmt(100 * ours['gemm_gflop_per_s'] / b['gemm_gflop_per_s'])}% of the {fmt(b['gemm_gflop_per_s'])} "
-               f"GFLOP/s GEMM rate) but are only {fmt(100 * gemm_share)}% of the op's self time; the other "
-               f"{fmt(self_ms - ours['self_ms']['gemm'])} ms are memory-bound passes (the busiest outside the GEMMs: "
-               f"{busiest}; autograd-node rows are Python and dispatch). With no time outside the GEMMs the "
-               f"{fmt(b['ours_counted_gflop'])} GFLOP yardstick would run at "
-               f"{fmt(100 * b['ours_counted_gflop'] / (ours['self_ms']['gemm'] / 1e3) / b['gemm_gflop_per_s'])}% "
-               "of the GEMM rate.")
-    out = ["## What bounds the misses", "", op_line, ""]
-    op_ref = "the op's profile above"
-    for name, t in misses:
-        if t["name"].startswith("sdpa / "):
-            N = int(t["name"].rsplit("=", 1)[1])
-            ratio = attention.sdpa_flops(N) / attention.ours_flops(N)
-            why = (f"SDPA does {fmt(ratio)}x the yardstick FLOPs at N={N}, so at equal efficiency sdpa / ours = "
-                   f"{fmt(ratio)}; the target {fmt(t['threshold'])} needs ours to run its FLOPs "
-                   f"{fmt(t['threshold'] / ratio)}x as fast as SDPA's kernel runs its own (measured here: "
-                   f"{fmt(t['value'] / ratio)}x); what keeps ours from it: {op_ref}.")
-        elif "crossover" in t["name"]:
-            why = (f"at N=1536 SDPA does {fmt(attention.sdpa_flops(1536) / attention.ours_flops(1536))}x the yardstick "
-                   f"FLOPs: a crossover there needs ours at least that efficient relative to SDPA; {op_ref}.")
-        elif "efficiency" in t["name"]:
-            why = f"bounded by the time outside the GEMMs: {op_ref}."
-        elif name == "compile":
-            reasons = {c.get("first_break") for c in results["compile"].get("checks", {}).values()} - {None}
-            why = (f"the first graph break: {'; '.join(sorted(reasons))[:300]}." if reasons else
-                   "see its section (compiled with graph breaks allowed where fullgraph failed).")
-        elif name == "training":
-            preset = t["name"].split()[-3].split("-")[0]
-            st, base = b["training_steps"].get(preset), b.get("base_step_s", {}).get(preset)
-            if st and base:
-                parts = ", ".join(f"{k} {fmt(100 * v / st['profiled_ms'])}%" for k, v in st["parts_ms"].items() if v)
-                why = (f"the step's profile ({parts}): with a free attention op the step would take "
-                       f"{fmt(st['step_s_if_attention_free'])} s against the base commit's {fmt(base)} s, at most "
-                       f"{fmt(base / st['step_s_if_attention_free'])}x with the rest of the step as it is.")
-            else:
-                why = "see the bounds section (no step profile of this preset)."
-        else:
-            why = "see its section: measured on a shared machine (load averages in Setup)."
-        out.append(f"- **{name}: {t['name']}** ({fmt(t['value'])}, target {t['op']} {fmt(t['threshold'])}): {why}")
-    return out + [""]
+BENCHMARKS = {m.NAME: m for m in (attention, training, generation)}  # the run, in order
 
 
 def render(results: dict[str, dict], machine: dict, command: str, wall_s: float, peak: float,
@@ -126,17 +61,14 @@ def render(results: dict[str, dict], machine: dict, command: str, wall_s: float,
             verdict = {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]
             rows.append([name, t["name"], t["value"], f"{t['op']} {fmt(t['threshold'])}", verdict])
     out += [format_table(["benchmark", "target", "measured", "threshold", "result"], rows) if rows else "(none)", ""]
-    out += misses_section(results)
     for name, r in results.items():
-        doc = ({**BENCHMARKS, **OPT_IN}[name].__doc__ or name).strip().splitlines()
+        doc = (BENCHMARKS[name].__doc__ or name).strip().splitlines()
         out += [f"## {name}: {doc[0]}", "", f"`python -m benchmarks.{name}`; JSON: `benchmarks/results/{name}.json`; "
                 f"{fmt(r.get('wall_s', 0) / 60)} min" + (" (earlier run)" if name in earlier else "")
                 + (f"; load average {r['load']}" if r.get("load") else "") + ".", ""]
         out += ["Config: `" + json.dumps(r["config"]) + "`", ""]
         out += [format_table(r["table"]["headers"], r["table"]["rows"]), ""]
         out += [f"- {n}" for n in r.get("notes", [])] + [""]
-    if GPU_MD.is_file() and not quick:
-        out += [GPU_MD.read_text().strip(), ""]
     return "\n".join(out)
 
 
@@ -148,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--md", default=None, help="Markdown report path (default BENCHMARKS.md, or <out-dir>/BENCHMARKS.md with --quick)")
     p.add_argument("--render", action="store_true",
                    help="run nothing: rewrite BENCHMARKS.md and summary.json from the JSON files")
-    p.add_argument("--only", nargs="+", choices=[*BENCHMARKS, *OPT_IN],
+    p.add_argument("--only", nargs="+", choices=list(BENCHMARKS),
                    help="run only these benchmarks; BENCHMARKS.md takes the others from their JSON files")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of a full run (default 2, the machine's cores; 1 where other jobs keep them busy)")
@@ -165,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     results = {}
     for name in [] if a.render else (a.only or BENCHMARKS):
         t = time.perf_counter()
-        results[name] = {**BENCHMARKS, **OPT_IN}[name].main(a.quick, out_dir)
+        results[name] = BENCHMARKS[name].main(a.quick, out_dir)
         results[name]["wall_s"] = time.perf_counter() - t
         results[name]["load"] = load_average()  # after it, 1/5/15 min
         write_json(results[name], out_dir)  # again, with wall_s
@@ -179,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             if r.get("quick") == a.quick:
                 results[name] = r
                 earlier.append(name)
-    results = {n: results[n] for n in [*BENCHMARKS, *OPT_IN] if n in results}
+    results = {n: results[n] for n in BENCHMARKS if n in results}
     command = " ".join(["python -m benchmarks.run", *argv])
     md.parent.mkdir(parents=True, exist_ok=True)
     loads = (before, load_average())

@@ -18,7 +18,6 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
 from benchmarks import common  # noqa: E402
 from benchmarks import run as bench_run  # noqa: E402
 from benchmarks.attention import crossover, ours_flops  # noqa: E402
-from benchmarks.memory import loglog_slope  # noqa: E402
 from linear_rope import FavorFeatures, rotary_linear_attention  # noqa: E402
 
 NAMES = list(bench_run.BENCHMARKS)
@@ -91,37 +90,11 @@ def test_crossover_interpolates_in_log_n():
     assert crossover({1024: 0.5, 2048: 0.9}) == (None, "sdpa / ours < 1 up to N=2048")
 
 
-def test_compile_numbers(quick):
-    r = quick[1]["compile"]
-    for c in r["checks"].values():
-        assert c["graphs"] >= 1 and c["breaks"] >= 0 and c["max_rel_diff"] <= 1e-5
-        assert c["fullgraph"] or c["fullgraph_error"]
-    assert r["recompiles"]["first"] >= 1 and len(r["targets"]) == 9
-
-
-def test_memory_numbers(quick):
-    r = quick[1]["memory"]
-    assert r["children"] and not [k for k, c in r["children"].items() if "error" in c]
-    # ru_maxrss can stay flat for a tiny op (pages the allocator already holds): >= 0, not > 0.
-    assert all(c["delta_mib"] >= 0 and c["baseline_mib"] > 0 for c in r["children"].values())
-
-
 def test_generation_numbers(quick):
-    r = quick[1]["generation"]
-    assert all(ms > 0 for ms in r["ms_per_token"].values())
-    assert r["ratio_ours_longest_over_shortest"] > 0 and r["ratio_performer_over_ours"] > 0
-
-
-def test_lm_training_numbers(quick):
-    r = quick[1]["lm_training"]
-    assert all(v > 0 for v in r["tokens_per_s"].values())
-    assert r["mfu"]["ours"] > 0 and r["model_gflop_per_token"] > 0
-
-
-def test_keywords_numbers(quick):
-    r = quick[1]["keywords"]
-    assert set(r["ratio"]) == {"mask", "cu_seqlens", "initial_state", "offsets"}
-    assert all(ms > 0 for ms in r["ms"].values()) and len(r["targets"]) == 4
+    r = quick[1]["generation"]["decoder"]
+    assert set(r["ms_per_step"]) == {f"{k}@{c}" for k in ("step", "decoder") for c in (16, 64)}
+    assert all(ms > 0 for ms in r["ms_per_step"].values()) and r["ratio_decoder_longest_over_shortest"] > 0
+    assert all(c["launches"] > 0 for c in r["counts_per_step"].values())
 
 
 def test_training_numbers(quick):
@@ -136,12 +109,8 @@ def test_training_numbers(quick):
         assert all(len(run["step_s"]) == 2 for runs in p["runs"].values() for run in runs)
 
 
-def test_bounds_and_summary(quick):
+def test_summary(quick):
     out, results = quick
-    b = results["bounds"]
-    assert b["ours"]["gemm_gflop"] > 0 and b["ours_features_in"]["gemm_gflop"] > 0
-    st = b["training_steps"]["tiny"]
-    assert 0 < st["attention_share"] < 1 and sum(st["parts_ms"].values()) == pytest.approx(st["profiled_ms"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["machine"]["gemm_gflop_per_s"] > 0 and summary["machine"]["cpu"]
     assert {t["result"] for t in summary["targets"]} <= {"PASS", "MISS", "n/a"}
@@ -165,29 +134,11 @@ def test_ours_attention_is_features_then_eq19():
         torch.testing.assert_close(common.ours_attention(q, k, v, feats, rotary), want, rtol=1e-10, atol=1e-12)
 
 
-def test_flop_formula_and_slope():
+def test_flop_formula():
     # chunk = 64: one chunk at N = 64, so the count is exactly the per-chunk formula.
     per_head = 4 * 64 * 64 * 266 + (2 * 64 * 64 * 266 + 2 * 64 * 64 * 64 + 4 * 64 * 266 * 64) + 2 * 64 * 266
     assert ours_flops(64, chunk=64, backward=False) == per_head * 12
     assert ours_flops(4096, chunk=64) == pytest.approx(64 * ours_flops(64, chunk=64), rel=1e-12)
-    assert loglog_slope([(1, 3.0), (2, 6.0), (4, 12.0)]) == pytest.approx(1.0)
-    assert loglog_slope([(1, 1.0), (2, 4.0)]) == pytest.approx(2.0)
-    assert loglog_slope([(1, 0.0), (2, 4.0)]) is None
-
-
-def test_busy_neighbour_quick_command(tmp_path):
-    """``python -m benchmarks.busy_neighbour --quick`` (not part of ``benchmarks.run``): tiny runs,
-    alone and beside a busy loop, in each thread setting; its JSON has every setting's ratio."""
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.busy_neighbour", "--quick", "--out-dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((tmp_path / "busy_neighbour.json").read_text())
-    assert r["name"] == "busy_neighbour" and r["quick"] is True
-    assert len(r["ratio"]) == 3 and all(v > 0 for v in r["ratio"].values())
-    assert all(len(runs) == 1 for m in r["runs"].values() for runs in m.values())
-    assert len(r["targets"]) == 2 and len(r["table"]["rows"]) == 3
 
 
 def test_training_op_regression_check(tmp_path):

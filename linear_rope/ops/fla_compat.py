@@ -6,7 +6,7 @@ initial_state=None, output_final_state=False, cu_seqlens=None) -> (o, final_stat
 ``api.py``): the same paths (the chunked custom op on the CPU, the chunk-parallel path on CUDA), the
 same checks and the same state, behind fla's names, with this op's own options keyword-only.
 q, k and v are transposed into one contiguous copy each, the output back as a view
-(``benchmarks/fla_layout.py`` measures what the transposes cost at N = 4096).
+(what the transposes cost at N = 4096: ``benchmarks/results/fla_layout.json``, made at commit c250ff9).
 """
 from __future__ import annotations
 
