@@ -35,7 +35,7 @@ def _config(variant, depth=12, preset="tiny"):
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    pytest.importorskip("triton", reason="Inductor's GPU code generation needs triton (an extra)")
+    pytest.importorskip("triton", reason="triton is not installed: Inductor's GPU code generation needs it (pip install -e '.[predict]')")
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler: the predictor builds its fake CUDA device guard with one")
     out = tmp_path_factory.mktemp("gpu_predict") / "p.json"
@@ -188,7 +188,7 @@ print(json.dumps([k for g in graphs for k in g["nodes"] if k is not None]))
 def test_own_triton_kernel_is_priced_by_its_bytes_and_flops(tmp_path):
     """A triton_op of the package's own: Inductor calls it as a user kernel, listed as `own`
     with its arguments' bytes and the FLOPs OWN_KERNEL_FLOPS states, on the tensor cores."""
-    pytest.importorskip("triton", reason="Inductor's GPU code generation needs triton (an extra)")
+    pytest.importorskip("triton", reason="triton is not installed: Inductor's GPU code generation needs it (pip install -e '.[predict]')")
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler: the predictor builds its fake CUDA device guard with one")
     script = tmp_path / "own_kernel.py"  # a file: triton.jit reads the kernel's source
