@@ -159,6 +159,7 @@ class Decoder:
         self._steps = self._left = self._filled = 0  # since prefill / load: steps, steps left, cache slots
         self._loaded = self._compile_ok = False
         self._held = HeldWeights(model)  # the step's matrices under autocast, cast once (``_sync_weights``)
+        self._w = None  # what the step reads of them (``HeldWeights.w``), or None: the model's weights
         self._compiled = None
         if compile if compile is not None else self.device.type == "cuda":
             for t in self.buffers:
@@ -259,8 +260,10 @@ class Decoder:
     # -- the weights the step reads, the step's work -------------------------------------------
 
     def _sync_weights(self) -> bool:
-        """``HeldWeights.sync``: True where the step is to run on the held weights, autocast off."""
-        return self._held.sync(self.device, self._compiled is not None)
+        """``HeldWeights.sync``: True where the step is to run on the held weights (``_w``), autocast off."""
+        cast = self._held.sync(self.device, self._compiled is not None)
+        self._w = self._held.w
+        return cast
 
     def refresh(self) -> None:
         """Recast the held weights at the next step. Needed only after writing the model's weights

@@ -79,7 +79,7 @@ def forward_step(dec, token: torch.Tensor) -> torch.Tensor:
     x = model.drop(x)
     rope = None if dec.rope is None else dec.rope.index_select(0, row)[:, None, None]  # (B, 1, 1, 2m)
     pre = None if dec.rope_pre is None else dec.rope_pre.index_select(0, row)[:, None, None]
-    W = dec._held.w
+    W = dec._w
     for i, blk in enumerate(model.blocks):
         w = (None,) * 4 if W is None else W[i]  # (to_qkv, to_out, ff in, ff out): held (weight, bias) or None
         a = _softmax_layer(dec, i, blk.attn, blk.ln1(x), pre, w) if dec.softmax else \

@@ -431,6 +431,6 @@ def test_the_compiled_step_under_autocast_runs_on_the_held_weights(monkeypatch):
         eager.prefill(ids, mask)
         for _ in range(3):
             got, want = dec.step(tok), eager.step(tok)
-            assert got.dtype == torch.bfloat16 and dec._held.w is not None
+            assert got.dtype == torch.bfloat16 and dec._w is not None
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert decode_step._graphs_compiled() - n0 == 1
