@@ -14,6 +14,7 @@ from .attention import RotaryLinearAttention
 from .checks import ID_DTYPES, check_flag, is_static, value_checks
 from .decode import Decoder, check_temperature, sample_next  # noqa: F401 (re-exported)
 from .features import FEATURE_KINDS, FavorFeatures
+from .generation import generate
 from .ops import LinearAttentionState
 from .ops.utils import check_mask
 from .rotary import check_offset, token_positions
@@ -335,52 +336,5 @@ class PerformerLM(nn.Module):
         (or ``temperature=0``) is greedy decoding. ``compile``: compile the step (default: on
         CUDA, as a CUDA graph; the first call then pays for the compile).
         """
-        prompts = [prompt] if isinstance(prompt, (bytes, bytearray)) else prompt
-        if not isinstance(prompts, (list, tuple)) or not prompts or not all(
-                isinstance(p, (bytes, bytearray)) and len(p) > 0 for p in prompts):
-            raise ValueError("prompt must be non-empty bytes, or a non-empty list of non-empty bytes")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        check_temperature(temperature)
-        device = self.head.weight.device
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None (seed one with "
-                            f"torch.Generator().manual_seed(seed)), got {type(generator).__name__}")
-        if generator is not None and generator.device.type != device.type:
-            raise ValueError(f"generator: it is on {generator.device}, the model on {device}; "
-                             f"create it with torch.Generator(device={str(device)!r})")
-        V = self.cfg.vocab_size
-        top = max(max(p) for p in prompts)
-        if top >= V:  # bytes are read on the host: no device sync
-            raise ValueError(f"prompt: byte {top} is outside the vocabulary [0, vocab_size={V})")
-        longest = max(len(p) for p in prompts)
-        if self.pos_emb is not None and longest + max_new_tokens > self.cfg.seq_len + 1:
-            raise ValueError(f"max_new_tokens: the absolute variant cannot go past seq_len={self.cfg.seq_len}")
-        was_training = self.training
-        self.eval()
-        try:
-            out = self._decode(prompts, longest, max_new_tokens, temperature, top_k, generator, compile)
-        finally:  # an error on the way (a bad id, an interrupt) leaves the mode as it was
-            self.train(was_training)
-        res = [bytes(row) for row in out.tolist()]  # the one read of the device: after the last step
-        return res[0] if isinstance(prompt, (bytes, bytearray)) else res
-
-    def _decode(self, prompts, longest: int, max_new_tokens: int, temperature, top_k, generator,
-                compile=None) -> torch.Tensor:
-        """``generate``'s loop on a ``Decoder``: one parallel read of the left-padded prompts, then
-        one in-place step per token; the new ids `[B, max_new_tokens]`, read by the caller once."""
-        device = self.head.weight.device
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-        mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
-        for b, p in enumerate(prompts):  # left padding: every row's last token is at the end
-            ids[b, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[b, longest - len(p):] = True
-        ragged = any(len(p) != longest for p in prompts)
-        max_len = longest + max_new_tokens
-        if compile if compile is not None else device.type == "cuda":  # one compiled graph per power of two
-            max_len = 1 << max(8, (max_len - 1).bit_length())
-        dec = Decoder(self, len(prompts), max_len, compile=compile)
-        return dec.generate(ids.to(device), max_new_tokens, mask=mask.to(device) if ragged else None,
-                            temperature=temperature, top_k=top_k, generator=generator)
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
+                        compile=compile)

@@ -11,6 +11,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
     sys.path.insert(0, str(ROOT))
 
 import linear_rope.decode as decode_mod  # noqa: E402
+import linear_rope.decode_step as decode_step  # noqa: E402
 from linear_rope.decode import Decoder, sample_next  # noqa: E402
 from linear_rope.model import LM_POSITIONS, PerformerLM  # noqa: E402
 
@@ -260,10 +261,10 @@ def test_hugging_face_cached_steps_run_on_the_decoder(position, monkeypatch):
 
 def fresh_compiles(monkeypatch, limit=None):
     """No compiled step shared with earlier tests: each test counts its own compiles."""
-    monkeypatch.setattr(decode_mod, "_STEPS", {})
-    monkeypatch.setattr(decode_mod, "_COMPILED", {})
+    monkeypatch.setattr(decode_step, "_STEPS", {})
+    monkeypatch.setattr(decode_step, "_COMPILED", {})
     if limit is not None:
-        monkeypatch.setattr(decode_mod, "_RECOMPILE_LIMIT", limit)
+        monkeypatch.setattr(decode_step, "_RECOMPILE_LIMIT", limit)
 
 
 def decoder_warnings(record) -> list[str]:
@@ -289,7 +290,7 @@ def test_the_compiled_step_equals_the_functional_step_and_compiles_once_per_shap
         shapes = (P + NEW, P + NEW, P + NEW + 8) if kw["position"] == "rope" else (P + NEW,)
         for max_len in shapes:
             dec = Decoder(model, len(seqs), max_len, compile=True)
-            n0 = decode_mod._graphs_compiled()
+            n0 = decode_step._graphs_compiled()
             dec.prefill(ids, mask)
             _, states = model(ids, mask=mask, output_final_state=True)
             pos = mask.sum(1)
@@ -300,7 +301,7 @@ def test_the_compiled_step_equals_the_functional_step_and_compiles_once_per_shap
             for mine, theirs in zip(dec.states, states):
                 torch.testing.assert_close(mine.S, theirs.S, rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(mine.z, theirs.z, rtol=1e-12, atol=1e-12)
-            graphs.append(decode_mod._graphs_compiled() - n0)
+            graphs.append(decode_step._graphs_compiled() - n0)
     assert graphs == [1, 0, 1][:len(shapes)]
     assert decoder_warnings(record) == [
         f"Decoder: compiling the step for a new shape, batch_size=3, max_len={P + NEW + 8} (compiled before for "
@@ -424,7 +425,7 @@ def test_the_compiled_step_under_autocast_runs_on_the_held_weights(monkeypatch):
     model = tiny(position="rope")
     ids, mask, _ = ragged()
     dec, eager = Decoder(model, 3, 20, compile=True), Decoder(model, 3, 20, compile=False)
-    n0 = decode_mod._graphs_compiled()
+    n0 = decode_step._graphs_compiled()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tok = dec.prefill(ids, mask).argmax(-1)
         eager.prefill(ids, mask)
@@ -432,4 +433,4 @@ def test_the_compiled_step_under_autocast_runs_on_the_held_weights(monkeypatch):
             got, want = dec.step(tok), eager.step(tok)
             assert got.dtype == torch.bfloat16 and dec._w is not None
             torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    assert decode_mod._graphs_compiled() - n0 == 1
+    assert decode_step._graphs_compiled() - n0 == 1

@@ -14,9 +14,10 @@ import: its ``auto_map`` names ``modeling_linear_rope.py``, which imports the in
 
 * ``configuration.py`` ``LinearRopeConfig``: ``ModelConfig``'s fields, checked under their own
                        names and transformers' (``hidden_size``, ``rope_theta``, ...);
-* ``modeling.py``      ``LinearRopeForCausalLM`` and its ``RecurrentCache`` (the O(1) state);
+* ``modeling.py``      ``LinearRopeForCausalLM``;
+* ``cache.py``         its ``RecurrentCache`` (the O(1) state) and the reading of tokens into it;
 * ``loading.py``       a folder's config checked against its weights' headers before building;
-* ``inputs.py``        the checks ``forward`` and ``generate`` run on their inputs;
+* ``inputs.py``        the checks ``forward`` runs on its inputs (``prompt.py``: ``generate``'s);
 * ``tokenization.py``  ``ByteTokenizer``: UTF-8 bytes, id = byte;
 * ``export.py``        ``python -m linear_rope.export RUN_DIR OUT_DIR``: a training run's
                        checkpoint as a ``save_pretrained`` folder (safetensors).

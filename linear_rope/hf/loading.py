@@ -10,16 +10,25 @@ nothing larger than the weights is ever made: the number of blocks first, the wi
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 from pathlib import Path
 
 import torch
 
 from ..model import ModelConfig, PerformerLM
+from .configuration import ALIASES, MODEL_FIELDS, config_file
 
-__all__ = ["weight_shapes", "check_config_fits", "shapes_error"]
+__all__ = ["weight_shapes", "check_config_fits", "shapes_error", "checked_against_weights", "check_before_building",
+           "check_loaded"]
 
 PREFIX = "model."  # LinearRopeForCausalLM.base_model_prefix
+# from_pretrained -> __init__: (the config's name, the weights' file, their shapes), checked before building
+_LOADING = contextvars.ContextVar("linear_rope_hf_loading", default=None)
+# the fields that size or select weights: a default of these the weights contradict is named as such
+SIZING = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len", "position", "feature_map",
+          "ff_mult", "qk_norm")
 
 
 def _weight_files(folder: Path, variant: str | None, use_safetensors: bool | None) -> list[Path]:
@@ -105,3 +114,47 @@ def check_config_fits(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], file
                        set(shapes) - set(want))
     if err:
         refuse(err)
+
+
+@contextlib.contextmanager
+def checked_against_weights(where, kwargs: dict):
+    """Around ``PreTrainedModel.from_pretrained(where, **kwargs)``: the weights' shapes (a local
+    folder's headers, or a ``state_dict=`` given) and where the config comes from, for
+    ``check_before_building`` to check the config against before the model is built."""
+    found = weight_shapes(where, kwargs.get("subfolder", ""), kwargs.get("variant"), kwargs.get("use_safetensors"))
+    if found is None and isinstance(kwargs.get("state_dict"), dict):
+        found = (Path("state_dict"), {k: tuple(v.shape) for k, v in kwargs["state_dict"].items()})
+    given = kwargs.get("config")
+    from_file = given is None or isinstance(given, (str, Path)) or bool(given.name_or_path)
+    if given is None or isinstance(given, (str, Path)):
+        named = config_file(given or where, None if given else kwargs.get("subfolder"))
+    else:  # the Auto classes pass the config they read; a config of one's own names no file
+        named = config_file(given.name_or_path) if given.name_or_path else "the config given"
+    fields = {k: v for k, v in kwargs.items() if ALIASES.get(k, k) in MODEL_FIELDS}
+    if fields:
+        named += f" with {', '.join(f'{k}={v!r}' for k, v in fields.items())} given"
+    token = _LOADING.set(None if found is None else (named, *found, from_file))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+def check_before_building(config, cfg: ModelConfig) -> None:
+    """In ``LinearRopeForCausalLM.__init__`` under ``checked_against_weights``: ``cfg`` (from
+    ``config``) checked against the weights (``check_config_fits``) before anything is built."""
+    loading = _LOADING.get()
+    if loading is not None:
+        _LOADING.set(None)
+        named, file, shapes, from_file = loading
+        defaulted = [f for f in getattr(config, "_defaulted", ()) if f in SIZING] if from_file else ()
+        check_config_fits(cfg, shapes, file, named, defaulted)
+
+
+def check_loaded(info: dict, where) -> None:
+    """ValueError (one line) unless ``from_pretrained`` found every weight, of its shape, and
+    nothing else."""
+    bad = shapes_error(*(info.get(k) or () for k in ("missing_keys", "mismatched_keys", "unexpected_keys")))
+    if bad:
+        raise ValueError(f"{where}: its weights do not match its config.json ({bad}); "
+                         f"re-export the run, or restore the folder's config.json and model.safetensors")
