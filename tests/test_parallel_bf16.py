@@ -151,3 +151,18 @@ def test_bf16_training_follows_float32(tmp_path):
     for s in steps:
         a, b = losses["fp32"][s], losses["bf16"][s]
         assert abs(b - a) <= 0.005 * a, (s, a, b)
+
+
+def test_a_redrawn_projection_is_not_served_from_the_cache():
+    """The projection's GEMM operands are made once per projection (eager), keyed by its storage
+    and version: a redraw in place (``FavorFeatures.redraw``) gives the new projection's result."""
+    feats = FavorFeatures(8, 16)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 37, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    w = feats.projection.double()
+    first = op(q, k, v, projection=w)
+    assert relative_error(first, naive(q, k, v, projection=w)) <= 1e-12
+    w.copy_(FavorFeatures(8, 16).projection.double())  # in place, as a redraw
+    second = op(q, k, v, projection=w)
+    assert relative_error(second, naive(q, k, v, projection=w)) <= 1e-12
+    assert relative_error(second, first) > 1e-3

@@ -164,10 +164,10 @@ def _pair_tables(positions, dim, base, dtype, nonneg=False):
 
 def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
     """RoPE on interleaved pairs (``rotary.rotate_with_tables``) as ``x cos2 + swap(x) sin2``,
-    swap exchanging each pair: four elementwise kernels, and as many in the backward (no strided
-    slices, whose backward writes zeros first)."""
+    swap exchanging each pair: three elementwise kernels (no strided slices, whose backward
+    writes zeros first)."""
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x * cos2 + swapped * sin2
+    return torch.addcmul(x * cos2, swapped, sin2)
 
 
 @functools.lru_cache(maxsize=8)
@@ -295,17 +295,49 @@ def _operands(fq, fk, cos2, sin2, rd, C: int):
     return tuple(_chunks(rd(t), C) for t in (rq, fq, rk, fk))
 
 
+def _projection_operands_of(w, lowp):
+    """(w16, c): the FAVOR+ projection scaled by d^(-1/4) as a GEMM operand (under bf16 its two
+    bf16 parts along K, value and remainder: the exponents as from the float32 w, one GEMM) and
+    the pair shifts (``features.pair_shift``)."""
+    w16, c = w * w.shape[-1] ** -0.25, pair_shift(w)
+    if lowp is not None:
+        hi = _round(w16)
+        w16 = torch.cat((hi, _round(w16 - hi.float())), 1)
+    return w16, c
+
+
+_PROJECTIONS: dict = {}  # (address, version, shape, dtype, device, lowp) -> (w, operands); 8 at most
+
+
+def _projection_operands(w, lowp):
+    """``_projection_operands_of``, made once per projection while it is unchanged (eager; a
+    redraw writes in place, which bumps the version; an entry holds its ``w``, so no other tensor
+    takes that address while it is kept)."""
+    if is_compiling() or w.requires_grad or torch.is_inference(w):
+        return _projection_operands_of(w, lowp)
+    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, lowp)
+    hit = _PROJECTIONS.get(key)
+    if hit is None:
+        with torch.no_grad():
+            hit = (w, _projection_operands_of(w, lowp))
+        if len(_PROJECTIONS) >= 8:
+            _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
+        _PROJECTIONS[key] = hit
+    return hit[1]
+
+
 def _rotate_t(x, cos2, sin2):
     """The transpose of ``rotate`` (RoPE by minus the angle): ``x cos2 - swap(x) sin2``."""
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x * cos2 - swapped * sin2
+    return torch.addcmul(x * cos2, swapped, sin2, value=-1)
 
 
-def _exclusive(x, x0):
-    """Exclusive prefix over chunks (dim 2) from ``x0`` (None: zeros), in x's dtype."""
+def _inclusive(x, x0):
+    """Inclusive prefix over chunks (dim 2) from ``x0`` (None: zeros), one entry more than x: the
+    sums before each chunk, then the total."""
     if x0 is None:
-        return F.pad(x[:, :, :-1], (0, 0) * (x.dim() - 3) + (1, 0)).cumsum(2)
-    return torch.cat((x0[:, :, None], x[:, :, :-1]), dim=2).cumsum(2)
+        return F.pad(x, (0, 0) * (x.dim() - 3) + (1, 0)).cumsum(2)
+    return torch.cat((x0[:, :, None], x), dim=2).cumsum(2)
 
 
 def _suffix(x, xn):
@@ -336,10 +368,11 @@ class _ChunkAttention(torch.autograd.Function):
       token. Under bf16, A enters ``A v`` as two bf16 parts (value and remainder) along K:
       one GEMM, and A's rounding does not add to the features'.
 
-    Keeps for the backward: q, k, v and the output as GEMM operands, the denominator, the states
-    before each chunk (as operands) and the key sums; and the four feature operands (bf16 under
-    bf16), or with ``recompute`` not those: the backward then recomputes them from q, k (two
-    K = d GEMMs and an exp). Double backward: a one-line RuntimeError (``DOUBLE_BACKWARD``)."""
+    Keeps for the backward: q, k, v, the output and the scores A as GEMM operands, the
+    denominator, the states before each chunk (as operands) and the key sums; and the four
+    feature operands (bf16 under bf16), or with ``recompute`` not those: the backward then
+    recomputes them from q, k (two K = d GEMMs and an exp). Double backward: a one-line
+    RuntimeError (``DOUBLE_BACKWARD``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, w16, c, kmask, cos2, sin2, C: int, lowp, recompute: bool):
@@ -358,18 +391,21 @@ class _ChunkAttention(torch.autograd.Function):
             Sb = F.pad(Sc[:, :, :-1], (0, 0, 0, 0, 1, 0)).cumsum(2)
         else:
             Sb = torch.cat((S0[:, :, None], Sc[:, :, :-1]), dim=2).cumsum(2)
-        zb = _exclusive(zc, z0)
+        zi = _inclusive(zc, z0)  # (B, H, nc + 1, m): the key sums before each chunk, then after the last
+        zb = zi[:, :, :-1]
         Sb16 = rd(Sb)
         A16 = rd(A)
         if lowp is not None:  # A in two bf16 parts (value, remainder) along K: one GEMM
-            A16, vc2 = torch.cat((A16, rd(A - A16.float())), -1), torch.cat((vc, vc), -2)
-        num = _mm32(A16, vc if lowp is None else vc2) + _mm32(Qr, Sb16)  # (B, H, nc, C, e)
+            A2, vc2 = torch.cat((A16, rd(A - A16.float())), -1), torch.cat((vc, vc), -2)
+        num = _mm32(A16, vc) if lowp is None else _mm32(A2, vc2)
+        num = num + _mm32(Qr, Sb16)  # (B, H, nc, C, e)
         den = D.sum(-1, keepdim=True) + (Qf * zb[..., None, :]).sum(-1, keepdim=True, dtype=fq.dtype)
         out = (num / den.masked_fill(den <= 0, 1)).reshape(B, H, n, -1)
         kept = (None,) * 4 if recompute else (Qr, Qf, Kr, Kf)
-        ctx.save_for_backward(q16, k16, vc, w16, c, kmask, cos2, sin2, rd(out), den, Sb16, zb, *kept)
+        ctx.save_for_backward(q16, k16, vc, w16, c, kmask, cos2, sin2, rd(out), den, Sb16, zb, A16, *kept)
+        ctx.set_materialize_grads(False)  # unused outputs (the final state) send no zeros back
         ctx.C, ctx.lowp, ctx.recompute = C, lowp, recompute
-        return out, Sb[:, :, -1] + Sc[:, :, -1], zb[:, :, -1] + zc[:, :, -1]
+        return out, Sb[:, :, -1] + Sc[:, :, -1], zi[:, :, -1]
 
     @staticmethod
     def backward(ctx, dout, dS, dz):
@@ -380,7 +416,9 @@ class _ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout, dS, dz):
-        q16, k16, vc, w16, c, kmask, cos2, sin2, out, den, Sb16, zb, Qr, Qf, Kr, Kf = ctx.saved_tensors
+        q16, k16, vc, w16, c, kmask, cos2, sin2, out, den, Sb16, zb, A, Qr, Qf, Kr, Kf = ctx.saved_tensors
+        if dout is None:  # only the final state used
+            dout = torch.zeros(out.shape, dtype=den.dtype, device=den.device)
         C, rd = ctx.C, (_same if ctx.lowp is None else _round)
         if ctx.recompute:  # the features again, from q and k
             fq, fk = _features(q16, k16, w16, c, kmask)
@@ -394,7 +432,6 @@ class _ChunkAttention(torch.autograd.Function):
         dden = -(dnum * _chunks(out, C)).sum(-1, keepdim=True) * pos  # (B, H, nc, C, 1): -dout . out / den
         dnum = rd(dnum)
         # the numerator: the masked products and the states, as flash attention's and fla's backward
-        A = rd(_mm32(Qr, Kr.transpose(-1, -2)).masked_fill(upper, 0))
         dSb = _mm32(Qr.transpose(-1, -2), dnum)  # (B, H, nc, m, e)
         dSc = _suffix(dSb, dS)
         dSc16 = rd(dSc)
@@ -405,7 +442,8 @@ class _ChunkAttention(torch.autograd.Function):
         # the denominator: D's gradient is dden along each row (j <= i), the key sums' a suffix over chunks
         dD = rd(dden.expand(*dden.shape[:-1], C).masked_fill(upper, 0))
         dzb = (Qf * dden).sum(-2, dtype=dden.dtype)  # (B, H, nc, m)
-        dzc = _suffix(dzb, dz)
+        dzc = _suffix(dzb, dz) if dz is None else \
+            torch.cat((dzb[:, :, 1:], dz[:, :, None]), 2).flip(2).cumsum(2).flip(2)  # (small: the cat is cheap)
         dfq = _mm32(dD, Kf) + dden * zb[..., None, :]
         dfk = _mm32(dD.transpose(-1, -2), Qf) + dzc[..., None, :]
         drq, drk, dfq, dfk = (t.reshape(B, H, n, m) for t in (drq, drk, dfq, dfk))
@@ -444,12 +482,7 @@ def parallel_causal(q, k, v, w, a, C: int, rotary: bool, offset: int, base: floa
         if w is not None:
             kmask = F.pad(torch.ones(B, N, dtype=torch.bool, device=v.device) if kmask is None else kmask,
                           (0, Np - N), value=False)
-    w16 = c = None
-    if w is not None:  # FAVOR+: the projection scaled by d^(-1/4) as a GEMM operand, and the pair shifts
-        w16, c = w * q.shape[-1] ** -0.25, pair_shift(w)
-        if lowp is not None:  # two bf16 parts along K (hi, lo): the exponents as from float32 w, one GEMM
-            hi = _round(w16)
-            w16 = torch.cat((hi, _round(w16 - hi.float())), 1)
+    w16, c = (None, None) if w is None else _projection_operands(w, lowp)
     tables = (None, None)
     if rotary:
         pos = a.positions
