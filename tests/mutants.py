@@ -156,8 +156,8 @@ MUTANTS = [
            "Sb = torch.cat((S0[:, :, None], Sc[:, :, :-1]), dim=2)",
            ["tests/test_parallel.py", "-k", "matches_the_float64 and state and 257"]),
     Mutant("parallel path: denominator from the rotated features", OPS + "parallel.py",
-           "den = (fq.unsqueeze(-2) @ zt.unsqueeze(-1))",
-           "den = (rq.unsqueeze(-2) @ zt.unsqueeze(-1))",
+           "D = _mm32(Qf, Kf.transpose(-1, -2))",
+           "D = _mm32(Qr, Kr.transpose(-1, -2))",
            ["tests/test_parallel.py", "-k", "matches_the_float64 and plain and 63"]),
     Mutant("parallel path: double backward through the bf16 products not refused (wrong second derivatives)",
            OPS + "parallel.py",
@@ -198,6 +198,14 @@ MUTANTS = [
            "    from ..model import ModelConfig\n    path = resolve_checkpoint(path)\n    ckpt = load_checkpoint(path)\n"
            "    model = PerformerLM(ModelConfig(**ckpt['config']['model']))\n    model.load_state_dict(ckpt['model'])\n",
            ["tests/test_export.py", "-k", "nan_weights or wrong_digest"]),
+    Mutant("parallel path: the chunkwise denominator drops the key sums before the chunk", OPS + "parallel.py",
+           "den = D.sum(-1, keepdim=True) + (Qf * zb[..., None, :])",
+           "den = D.sum(-1, keepdim=True) + 0 * (Qf * zb[..., None, :])",
+           ["tests/test_parallel.py", "-k", "matches_the_float64 and plain and 257"]),
+    Mutant("parallel path: the backward's recomputed features not rotated", OPS + "parallel.py",
+           "            Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)",
+           "            Qr, Qf, Kr, Kf = _operands(fq, fk, None, None, rd, C)",
+           ["tests/test_parallel.py", "-k", "recompute_above"]),
 ]
 
 

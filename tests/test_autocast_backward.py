@@ -160,16 +160,13 @@ def test_double_backward_of_the_torch_path_is_refused(monkeypatch):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-4)], ids=["fp64", "fp32"])
-def test_double_backward_of_the_parallel_path_matches_the_reference(monkeypatch, dtype, tol):
-    """Without bf16 products the chunk-parallel path is plain autograd: its second derivatives are
-    the float64 reference's."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_double_backward_of_the_parallel_path_is_one_line_in_every_dtype(monkeypatch, dtype):
+    """The chunk-parallel path's backward is written by hand (it recomputes rather than saves): a
+    second derivative through it is refused in one line in every dtype, never silently wrong, and
+    the message names the way that works (torch.func, the composite path)."""
     monkeypatch.setenv(dispatch.ENV_VAR, "parallel")
     (q, k, v), up = _leaves(dtype)
-    got = _second(q, k, v, up)
-    (q64, k64, v64), up64 = _leaves(torch.float64)
-    out = naive(q64, k64, v64)
-    (gq,) = torch.autograd.grad((out * up64).sum(), q64, create_graph=True)
-    (want,) = torch.autograd.grad(gq.sum(), k64)
-    assert want.abs().max() > 1e-3  # not a silent zero
-    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\) is not supported") as err:
+        _second(q, k, v, up)
+    assert "\n" not in str(err.value) and "torch.func" in str(err.value)

@@ -83,8 +83,8 @@ def rotary_linear_attention(
     Returns:
         `[B, H, N, e]` in v's dtype, or ``(out, state)`` with ``output_final_state``. B, H, N
         or e = 0 give empty results (N = 0: the state passes through). Double backward is a
-        one-line RuntimeError on the torch path and the chunk-parallel path's bf16 products
-        (``torch.func``'s composite path differentiates to any order); so is ``torch.jit.trace``
+        one-line RuntimeError on the torch and chunk-parallel paths (hand-written backwards;
+        ``torch.func``'s composite path differentiates to any order); so is ``torch.jit.trace``
         of the causal path (use ``torch.compile``).
 
     Paths (``LINEAR_ROPE_BACKEND``, chosen and recorded by ``backend.py``): ``auto`` takes the

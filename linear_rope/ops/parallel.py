@@ -4,44 +4,51 @@ What the GPU runs by default (``LINEAR_ROPE_BACKEND=auto`` on CUDA), and what an
 with ``LINEAR_ROPE_BACKEND=parallel``. The form of fla's naive chunk attention and Mamba-2's
 ``ssd_minimal``: the sequence is cut into chunks of C tokens, laid out `[B, H, nc, C, x]`, and
 
-* every chunk's state ``rk^T v`` comes out of one batched GEMM `[B, H, nc, m, e]`;
+* phi(q), phi(k) (FAVOR+ inside: one GEMM each for the exponents), rotated, cast to the GEMM
+  operand dtype and laid out in chunks in one pass (``_operands``: R phi and phi of each side);
+* every chunk's state ``rk^T v`` comes out of one batched GEMM `[B, H, nc, m, e]`, its key sum
+  out of one reduction;
 * the states before each chunk are one exclusive prefix over chunks (a cumsum, from the
-  initial state), in float32 or wider;
-* the masked `[C, C]` products inside every chunk are two batched GEMMs (``tril(rq rk^T) v``),
-  and ``rq S_before`` a third;
-* Eq. 19's unrotated denominator runs alongside in float32 or wider: ``phi(q_t) . (z0 + sum_{n
-  <= t} phi(k_n))``, one cumsum over the tokens (no rotation, no GEMM: it is a dot product per
-  token with a running sum).
+  initial state), in float32 or wider, rounded as it is written;
+* the masked `[C, C]` products inside every chunk are batched GEMMs (``tril(rq rk^T) v``), and
+  ``rq S_before`` one more;
+* Eq. 19's unrotated denominator chunk by chunk from the same kind of GEMMs: ``tril(phi_q
+  phi_k^T) 1 + phi_q . z_before`` (no running sum per token).
 
 No op here reads a tensor's value into Python (no host sync), no Python loop runs over chunks,
-rows or documents, and nothing is an opaque custom op: ``torch.compile`` sees every op, and the
-gradients are plain autograd through them. The number of kernels of a call does not depend on
-N or B, up to ``STATE_BYTES``: beyond it the sequence is walked in segments of a fixed number
-of tokens carrying the state (``segment_tokens``), so the kernels per token stay fixed.
+rows or documents, and nothing is an opaque custom op: ``torch.compile`` sees every op. The
+attention core of a segment is one ``torch.autograd.Function`` (``_ChunkAttention``) whose
+forward and backward are plain ops (traced whole by ``torch.compile``); its backward is written
+out (flash attention's and fla's form: the scores recomputed, the states' gradients a suffix over
+chunks) and refuses double backward in one line. The number of kernels of a call does not
+depend on N or B, up to ``STATE_BYTES``: beyond it the sequence is walked in segments of a
+fixed number of tokens carrying the state (``segment_tokens``), so the kernels per token stay
+fixed.
 
-Precision. With bfloat16 inputs, or under a bfloat16 autocast, the chunk products take bf16
-operands with float32 accumulation and float32 results (the tensor cores; ``_Bf16Matmul``), the
-`[C, C]` scores as two bf16 parts (value and remainder) so that their rounding does not add to
-the features'; the FAVOR+ exponents, the rotation, the sums over chunks, the denominator and
-the division stay in float32. The backward's GEMMs take the upstream gradient rounded to bf16.
-The contract (``tolerances.PARALLEL_BF16_CONTRACT``): the error of the output and final state
-is within 2x of the float64 op's on the bf16-rounded features and values. float16 computes in
-float32 (its range would not hold the states' sums); float64 stays float64.
+Precision. With bfloat16 inputs, or under a bfloat16 autocast, every GEMM takes bf16 operands
+with float32 accumulation and float32 results (the tensor cores): the FAVOR+ projection as two
+bf16 parts of w along K (the exponents as from the float32 w), the `[C, C]` scores of ``A v``
+as two bf16 parts along K (one GEMM; their rounding does not add to the features'), the
+features and the states before each chunk as single bf16 operands; the exponents, the sums over
+chunks, the denominator's sums and the division stay in float32. The backward's GEMMs take the
+upstream gradient rounded to bf16. The contract (``tolerances.PARALLEL_BF16_CONTRACT``): the
+errors of the output and of the gradients of q, k, v within 5x of bf16 SDPA's on the same q,
+k, v (measured up to 4.4x, as the design before this one). float16 computes in float32 (its
+range would not hold the states' sums); float64 stays float64 (equal to the float64 reference).
 
-Memory: the per-chunk states `[B, H, N / C, m, e]` (each chunk's and the prefix, in float32)
-next to the features `[B, H, N, m]` (phi and R phi of q and k); with C = 64 and e = 64 the states
+Memory: the per-chunk states `[B, H, N / C, m, e]` (the prefix kept as bf16 operands) next to
+the four feature operands `[B, H, N, m]` (bf16 under bf16); with C = 64 and e = 64 the states
 weigh about what one feature tensor does. Two budgets bound it: past ``STATE_BYTES`` of states
 the sequence is walked in segments of whole chunks carrying the state (``block_size`` sets the
 segment), and where a segment would keep more than ``KEEP_BYTES`` for the backward
-(``kept_bytes``), it keeps its inputs only and recomputes the rest in the backward
-(``torch.utils.checkpoint``: one more forward's launches per segment).
+(``kept_bytes``), it keeps no features: the backward recomputes them from q and k.
 
 Keywords: ``mask`` (padding selected away, positions count real tokens), per-row ``offset``,
 ``initial_state`` / ``output_final_state``, ``rotary=False`` (Eq. 18), features in or FAVOR+
 inside (``projection``), ``chunk_size`` (C) and ``block_size`` (the segment) run here.
 ``cu_seqlens`` does not: its values set the shapes of the chunk layout (every document padded
 to whole chunks), and reading them is a host sync; the op sends such calls to the torch path and
-records why (``PACKED_REASON``). The bidirectional closed form is plain ops already
+records why (``backend.PACKED_REASON``). The bidirectional closed form is plain ops already
 (``chunk.bidirectional``).
 
 Inputs come checked (``utils.check_args``), in the compute dtype, with padding selected away,
@@ -50,30 +57,23 @@ from ``prepare.run_torch``, which the op (``api.py``) calls; this module imports
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..checks import is_compiling
-from ..features import favor_exp_, favor_inputs, favor_projection
+from ..features import key_exponent_floor, pair_shift
 from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
 
-__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "PACKED_REASON", "checks_enabled",
+__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "checks_enabled",
            "compute_dtypes", "segment_tokens", "DOUBLE_BACKWARD"]
 
 CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
 STATE_BYTES = 4 << 30  # per-chunk states of one segment (float32), at most: 4 GiB
 KEEP_BYTES = 16 << 30  # what one segment keeps for the backward, at most; above, it recomputes (16 GiB)
 CHECKS_VAR = "LINEAR_ROPE_CHECKS"
-DOUBLE_BACKWARD = ("rotary_linear_attention: double backward (create_graph=True) is not supported on the "
-                   "chunk-parallel path's bf16 products (bf16 inputs or a bf16 autocast); run it in float32, or "
-                   "under torch.func for the composite path")
-PACKED_REASON = ("cu_seqlens: the documents' lengths set the shapes of the chunk layout, and reading them is a host "
-                 "sync, so packed documents take the torch path")
-
-
 def checks_enabled() -> bool:
     """``LINEAR_ROPE_CHECKS=1``: the checks that read tensor values (features >= 0, finite
     projection and states, offsets in range) run on this path too (each a host sync). Off by
@@ -101,11 +101,11 @@ def segment_tokens(B: int, H: int, N: int, m: int, e: int, C: int, block_size: i
 
 
 def kept_bytes(B: int, H: int, n: int, x: int, m: int, e: int, C: int) -> int:
-    """About what autograd keeps of a segment of n tokens (x: d or m per token of q and k): the
-    inputs, four float32 feature tensors and the running key sums, the bf16 (or float32)
-    operands of the products, the `[C, C]` scores and the per-chunk states."""
-    per_token = 4 * (2 * x + e) + 4 * 6 * m + 8 * C + 4 * e
-    return B * H * (n * per_token + -(-n // C) * m * e * 12)
+    """About what autograd keeps of a segment of n tokens (x: d or m per token of q and k), at
+    4 bytes an element (2 under bf16): q, k, v, the output and the denominator, the four
+    feature operands (``_ChunkAttention``), and per chunk the state and key sum before it."""
+    per_token = 4 * (2 * x + 2 * e + 1 + 4 * m)
+    return B * H * (n * per_token + -(-n // C) * (m * e + m) * 4)
 
 
 @functools.lru_cache(maxsize=32)
@@ -162,10 +162,10 @@ def _pair_tables(positions, dim, base, dtype, nonneg=False):
 
 def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
     """RoPE on interleaved pairs (``rotary.rotate_with_tables``) as ``x cos2 + swap(x) sin2``,
-    swap exchanging each pair: four elementwise kernels, and as many in the backward (no strided
-    slices, whose backward writes zeros first)."""
+    swap exchanging each pair: three elementwise kernels (no strided slices, whose backward
+    writes zeros first)."""
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x * cos2 + swapped * sin2
+    return torch.addcmul(x * cos2, swapped, sin2)
 
 
 @functools.lru_cache(maxsize=8)
@@ -200,18 +200,6 @@ def rope_tables(n: int, dim: int, offset: int, base: float, positions, device, d
     return _tables_at(n, dim, offset, float(base), torch.device(device), dtype)
 
 
-def _features(q, k, wqk, kmask):
-    """phi(q), phi(k) in the compute dtype: FAVOR+ with ``wqk = features.favor_projection(w)``
-    (fp32 exponents, the stabiliser of ``features.py``), else q, k as given (padded keys are 0
-    already: selected away by the op); masked keys' features exactly 0."""
-    if wqk is None:
-        return q, k
-    wq, wk = wqk
-    fq = favor_exp_(favor_inputs(q, is_query=True) @ wq.t(), is_query=True)
-    fk = favor_exp_(favor_inputs(k, is_query=False) @ wk.t(), is_query=False)
-    return fq, (fk if kmask is None else fk.masked_fill(~kmask[:, None, :, None], 0))
-
-
 def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b `[..., M, K] x [..., K, P]` of bf16 operands with a float32 result (float32
     accumulation, never rounded to bf16): cuBLAS's bf16 GEMM with a float32 output."""
@@ -241,43 +229,12 @@ def _native(t: torch.Tensor) -> bool:
 def _round(t: torch.Tensor) -> torch.Tensor:
     """The GEMM operand: bf16 where the GEMM takes bf16 with a float32 result (CUDA); elsewhere
     the bf16-rounded values in float32, whose float32 products are what the tensor cores compute."""
-    t16 = t.to(torch.bfloat16)
+    t16 = t.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the copy lays it out too
     return t16 if _native(t) else t16.float()
 
 
 def _mm32(a, b):
     return _bmm32(a, b) if a.dtype == torch.bfloat16 else a @ b
-
-
-class _Bf16Matmul(torch.autograd.Function):
-    """``a @ b`` for float32 a, b on the bf16 tensor cores: operands rounded to bf16, products
-    accumulated and returned in float32 (a sum over chunks or a division comes next). The
-    backward's two GEMMs take the saved bf16 operands and the upstream gradient rounded to
-    bf16 (as flash attention's and fla's do), and return float32 gradients."""
-
-    @staticmethod
-    def forward(ctx, a, b, split: bool = False):
-        a16, b16 = _round(a), _round(b)
-        ctx.save_for_backward(a16, b16)
-        out = _mm32(a16, b16)
-        if split:  # a = a16 + its bf16 remainder: a's rounding leaves the product (for the scores)
-            out = out + _mm32(_round(a - a16.float()), b16)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        if torch.is_grad_enabled():  # create_graph=True: this backward is not itself differentiated
-            raise RuntimeError(DOUBLE_BACKWARD)
-        a16, b16 = ctx.saved_tensors
-        with torch.autocast(g.device.type, enabled=False):  # a backward run under autocast: these dtypes
-            g16 = _round(g)
-            da = _mm32(g16, b16.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
-            db = _mm32(a16.transpose(-1, -2), g16) if ctx.needs_input_grad[1] else None
-        return da, db, None
-
-
-def _matmul(a, b, lowp, split: bool = False):
-    return a @ b if lowp is None else _Bf16Matmul.apply(a, b, split)
 
 
 @functools.lru_cache(maxsize=16)
@@ -287,31 +244,223 @@ def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
         return torch.ones(C, C, dtype=torch.bool, device=device).triu(1)
 
 
-def _segment(fq, fk, rq, rk, v, S0, z0, C: int, lowp):
-    """One segment of whole chunks: features `[B, H, n, m]` (n a multiple of C; padded keys'
-    features 0), v `[B, H, n, e]`, and the state before it (None: zeros) -> out, S, z after it."""
-    B, H, n, m = fq.shape
-    nc = n // C
+def _upper(C: int, device) -> torch.Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).triu(1) if is_compiling() else _above_diagonal(C, device)
 
-    def chunks(t):
-        return t.reshape(B, H, nc, C, t.shape[-1])
 
-    rqc, rkc, vc = chunks(rq), chunks(rk), chunks(v)
-    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1) if is_compiling() else \
-        _above_diagonal(C, v.device)
-    A = _matmul(rqc, rkc.transpose(-1, -2), lowp).masked_fill(upper, 0)  # (B, H, nc, C, C): scores in chunks
-    Sc = _matmul(rkc.transpose(-1, -2), vc, lowp)  # (B, H, nc, m, e): every chunk's state, one GEMM
-    if S0 is None:  # the state before each chunk: an exclusive prefix over chunks, from S0
-        Sb = F.pad(Sc[:, :, :-1], (0, 0, 0, 0, 1, 0)).cumsum(2)
-    else:
-        Sb = torch.cat((S0[:, :, None], Sc[:, :, :-1]), dim=2).cumsum(2)
-    num = _matmul(A, vc, lowp, split=True) + _matmul(rqc, Sb, lowp)  # (B, H, nc, C, e)
-    zt = fk.cumsum(2)  # (B, H, n, m): z0 + phi(k) of every key up to each token
-    if z0 is not None:
-        zt = zt + z0[:, :, None]
-    den = (fq.unsqueeze(-2) @ zt.unsqueeze(-1)).reshape(B, H, n, 1)  # Eq. 19's unrotated denominator
-    out = num.reshape(B, H, n, -1) / den.masked_fill(den <= 0, 1)  # as naive: <= 0 divides by 1, NaN stays NaN
-    return out, Sb[:, :, -1] + Sc[:, :, -1], zt[:, :, -1]
+def _chunks(t: torch.Tensor, C: int) -> torch.Tensor:
+    """`[..., n, x]` -> `[..., n / C, C, x]`."""
+    return t.reshape(*t.shape[:-2], -1, C, t.shape[-1])
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _proj(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x `[..., K]` @ w `[K, P]` for a shared 2-D ``w``: one GEMM over all rows (bf16 operands:
+    float32 result), never w copied per batch and head."""
+    if x.dtype != torch.bfloat16:
+        return x @ w
+    return _bmm32(x.reshape(1, -1, x.shape[-1]), w[None]).view(*x.shape[:-1], w.shape[-1])
+
+
+def _features(q16, k16, w16, c, kmask):
+    """phi(q), phi(k) in the sum dtype from the GEMM operands q16, k16. The FAVOR+ exponents of
+    ``features.py`` as one GEMM each against ``w16``, the operand of ``w d^(-1/4)`` (under bf16
+    its two bf16 parts along K, value and remainder: the exponents as from the float32 w, with
+    float32 accumulation); the pair shifts ``c`` and the keys' ``-|k'|^2 / 2`` added in the sum
+    dtype (c cancels between queries and keys exactly: it is never rounded). The query max and
+    the key clamp of ``features.favor_exp_``; masked keys' features 0. Without ``w16``: q, k as
+    given (padded keys 0 already)."""
+    if w16 is None:
+        return q16, k16
+    d = q16.shape[-1]
+    twice = w16.shape[-1] != d  # (value, remainder) parts of w: the input twice along K
+    aq = _proj(torch.cat((q16, q16), -1) if twice else q16, w16.t()) + c
+    fq = (aq - aq.amax(-1, keepdim=True)).exp()
+    ak = _proj(torch.cat((k16, k16), -1) if twice else k16, w16.t()) - c \
+        - (0.5 / math.sqrt(d)) * (k16 * k16).sum(-1, keepdim=True, dtype=aq.dtype)
+    fk = ak.clamp(key_exponent_floor(ak.dtype), 0).exp()
+    return fq, (fk if kmask is None else fk.masked_fill(~kmask[:, None, :, None], 0))
+
+
+def _operands(fq, fk, cos2, sin2, rd, C: int):
+    """The GEMM operands (R phi_q, phi_q, R phi_k, phi_k) `[B, H, n / C, C, m]`: rotation, cast
+    and chunk layout in one pass of plain ops over each side's features (Inductor fuses them
+    with the exponential into one kernel writing both of the side's operands)."""
+    rq, rk = (fq, fk) if cos2 is None else (rotate(fq, cos2, sin2), rotate(fk, cos2, sin2))
+    return tuple(_chunks(rd(t), C) for t in (rq, fq, rk, fk))
+
+
+def _projection_operands_of(w, lowp):
+    """(w16, c): the FAVOR+ projection scaled by d^(-1/4) as a GEMM operand (under bf16 its two
+    bf16 parts along K, value and remainder: the exponents as from the float32 w, one GEMM) and
+    the pair shifts (``features.pair_shift``)."""
+    w16, c = w * w.shape[-1] ** -0.25, pair_shift(w)
+    if lowp is not None:
+        hi = _round(w16)
+        w16 = torch.cat((hi, _round(w16 - hi.float())), 1)
+    return w16, c
+
+
+_PROJECTIONS: dict = {}  # (address, version, shape, dtype, device, lowp) -> (w, operands); 8 at most
+
+
+def _projection_operands(w, lowp):
+    """``_projection_operands_of``, made once per projection while it is unchanged (eager; a
+    redraw writes in place, which bumps the version; an entry holds its ``w``, so no other tensor
+    takes that address while it is kept)."""
+    if is_compiling() or w.requires_grad or torch.is_inference(w):
+        return _projection_operands_of(w, lowp)
+    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, lowp)
+    hit = _PROJECTIONS.get(key)
+    if hit is None:
+        with torch.no_grad():
+            hit = (w, _projection_operands_of(w, lowp))
+        if len(_PROJECTIONS) >= 8:
+            _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
+        _PROJECTIONS[key] = hit
+    return hit[1]
+
+
+def _rotate_t(x, cos2, sin2):
+    """The transpose of ``rotate`` (RoPE by minus the angle): ``x cos2 - swap(x) sin2``."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return torch.addcmul(x * cos2, swapped, sin2, value=-1)
+
+
+def _inclusive(x, x0):
+    """Inclusive prefix over chunks (dim 2) from ``x0`` (None: zeros), one entry more than x: the
+    sums before each chunk, then the total."""
+    if x0 is None:
+        return F.pad(x, (0, 0) * (x.dim() - 3) + (1, 0)).cumsum(2)
+    return torch.cat((x0[:, :, None], x), dim=2).cumsum(2)
+
+
+def _suffix(x, xn):
+    """Exclusive suffix over chunks (dim 2) plus ``xn`` at every chunk: sum_{c' > c} x_c' + xn,
+    summed from the end (never as total - prefix). (Not a cat of x and xn before the cumsum:
+    Inductor writes the cat out.)"""
+    s = F.pad(x[:, :, 1:], (0, 0) * (x.dim() - 3) + (0, 1)).flip(2).cumsum(2).flip(2)
+    return s if xn is None else s + xn[:, :, None]
+
+
+DOUBLE_BACKWARD = ("rotary_linear_attention: double backward (create_graph=True) is not supported on the "
+                   "chunk-parallel path (its backward is written by hand); torch.func's transforms take the "
+                   "composite path, which differentiates to any order")
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """One segment of whole chunks, features included: q, k `[B, H, n, d or m]`, v `[B, H, n, e]`
+    and the state before it (None: zeros) -> out, S, z after it, all in the sum dtype.
+
+    Forward: phi(q), phi(k) (``_features``), rotated (``_operands``); with ``lowp`` every GEMM
+    operand rounded to bf16 (``rd``: float32 accumulation, float32 results). Per chunk of C
+    tokens:
+
+    * ``A = tril(Rq Rk^T)`` and ``D = tril(phi_q phi_k^T)``, two `[C, C]` GEMMs;
+    * the chunk's state ``Rk^T v`` (one GEMM) and key sum ``sum phi_k`` (one reduction), and
+      the ones before the chunk (an exclusive prefix over chunks from S0, z0, in float32);
+    * Eq. 19: ``out = (A v + Rq S_before) / (D 1 + phi_q . z_before)`` (<= 0 divides by 1, as
+      naive; NaN stays NaN): the unrotated denominator chunk by chunk, no running sum per
+      token. Under bf16, A enters ``A v`` as two bf16 parts (value and remainder) along K:
+      one GEMM, and A's rounding does not add to the features'.
+
+    Keeps for the backward: q, k, v, the output and the scores A as GEMM operands, the
+    denominator, the states before each chunk (as operands) and the key sums; and the four
+    feature operands (bf16 under bf16), or with ``recompute`` not those: the backward then
+    recomputes them from q, k (two K = d GEMMs and an exp). Double backward: a one-line
+    RuntimeError (``DOUBLE_BACKWARD``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, w16, c, kmask, cos2, sin2, C: int, lowp, recompute: bool):
+        rd = _same if lowp is None else _round
+        B, H, n, _ = q.shape
+        q16, k16 = (rd(q), rd(k)) if w16 is not None else (q, k)
+        fq, fk = _features(q16, k16, w16, c, kmask)
+        Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)
+        vc = _chunks(rd(v), C)
+        upper = _upper(C, v.device)
+        A = _mm32(Qr, Kr.transpose(-1, -2)).masked_fill(upper, 0)  # (B, H, nc, C, C): scores in chunks
+        D = _mm32(Qf, Kf.transpose(-1, -2)).masked_fill(upper, 0)  # the denominator's, unrotated
+        Sc = _mm32(Kr.transpose(-1, -2), vc)  # (B, H, nc, m, e): every chunk's state, one GEMM
+        zc = Kf.sum(-2, dtype=fq.dtype)  # (B, H, nc, m): every chunk's key sum
+        if S0 is None:  # the state before each chunk: an exclusive prefix over chunks, from S0
+            Sb = F.pad(Sc[:, :, :-1], (0, 0, 0, 0, 1, 0)).cumsum(2)
+        else:
+            Sb = torch.cat((S0[:, :, None], Sc[:, :, :-1]), dim=2).cumsum(2)
+        zi = _inclusive(zc, z0)  # (B, H, nc + 1, m): the key sums before each chunk, then after the last
+        zb = zi[:, :, :-1]
+        Sb16 = rd(Sb)
+        A16 = rd(A)
+        if lowp is not None:  # A in two bf16 parts (value, remainder) along K: one GEMM
+            A2, vc2 = torch.cat((A16, rd(A - A16.float())), -1), torch.cat((vc, vc), -2)
+        num = _mm32(A16, vc) if lowp is None else _mm32(A2, vc2)
+        num = num + _mm32(Qr, Sb16)  # (B, H, nc, C, e)
+        den = D.sum(-1, keepdim=True) + (Qf * zb[..., None, :]).sum(-1, keepdim=True, dtype=fq.dtype)
+        out = (num / den.masked_fill(den <= 0, 1)).reshape(B, H, n, -1)
+        kept = (None,) * 4 if recompute else (Qr, Qf, Kr, Kf)
+        ctx.save_for_backward(q16, k16, vc, w16, c, kmask, cos2, sin2, rd(out), den, Sb16, zb, A16, *kept)
+        ctx.set_materialize_grads(False)  # unused outputs (the final state) send no zeros back
+        ctx.C, ctx.lowp, ctx.recompute = C, lowp, recompute
+        return out, Sb[:, :, -1] + Sc[:, :, -1], zi[:, :, -1]
+
+    @staticmethod
+    def backward(ctx, dout, dS, dz):
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD)
+        with torch.autocast(dout.device.type, enabled=False):  # a backward run under autocast: these dtypes
+            return _ChunkAttention._backward(ctx, dout, dS, dz)
+
+    @staticmethod
+    def _backward(ctx, dout, dS, dz):
+        q16, k16, vc, w16, c, kmask, cos2, sin2, out, den, Sb16, zb, A, Qr, Qf, Kr, Kf = ctx.saved_tensors
+        if dout is None:  # only the final state used
+            dout = torch.zeros(out.shape, dtype=den.dtype, device=den.device)
+        C, rd = ctx.C, (_same if ctx.lowp is None else _round)
+        if ctx.recompute:  # the features again, from q and k
+            fq, fk = _features(q16, k16, w16, c, kmask)
+            Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)
+        B, H, nc, _, m = Qr.shape
+        n = nc * C
+        upper = _upper(C, vc.device)
+        dc = _chunks(dout, C)
+        pos = den > 0
+        dnum = dc / torch.where(pos, den, 1)  # (B, H, nc, C, e)
+        dden = -(dnum * _chunks(out, C)).sum(-1, keepdim=True) * pos  # (B, H, nc, C, 1): -dout . out / den
+        dnum = rd(dnum)
+        # the numerator: the masked products and the states, as flash attention's and fla's backward
+        dSb = _mm32(Qr.transpose(-1, -2), dnum)  # (B, H, nc, m, e)
+        dSc = _suffix(dSb, dS)
+        dSc16 = rd(dSc)
+        dv = _mm32(A.transpose(-1, -2), dnum) + _mm32(Kr, dSc16)
+        dA = rd(_mm32(dnum, vc.transpose(-1, -2)).masked_fill(upper, 0))
+        drq = _mm32(dA, Kr) + _mm32(dnum, Sb16.transpose(-1, -2))
+        drk = _mm32(dA.transpose(-1, -2), Qr) + _mm32(vc, dSc16.transpose(-1, -2))
+        # the denominator: D's gradient is dden along each row (j <= i), the key sums' a suffix over chunks
+        dD = rd(dden.expand(*dden.shape[:-1], C).masked_fill(upper, 0))
+        dzb = (Qf * dden).sum(-2, dtype=dden.dtype)  # (B, H, nc, m)
+        dzc = _suffix(dzb, dz) if dz is None else \
+            torch.cat((dzb[:, :, 1:], dz[:, :, None]), 2).flip(2).cumsum(2).flip(2)  # (small: the cat is cheap)
+        dfq = _mm32(dD, Kf) + dden * zb[..., None, :]
+        dfk = _mm32(dD.transpose(-1, -2), Qf) + dzc[..., None, :]
+        drq, drk, dfq, dfk = (t.reshape(B, H, n, m) for t in (drq, drk, dfq, dfk))
+        if cos2 is not None:
+            drq, drk = _rotate_t(drq, cos2, sin2), _rotate_t(drk, cos2, sin2)
+        dfq, dfk = dfq + drq, dfk + drk
+        if w16 is None:
+            dq, dk = dfq, dfk
+        else:  # the exponents' gradients (the query max cancels), then one GEMM each
+            if not ctx.recompute:
+                fq, fk = Qf.reshape(B, H, n, m), Kf.reshape(B, H, n, m)
+            daq, dak = dfq * fq, dfk * fk
+            d = q16.shape[-1]
+            dq = _proj(rd(daq), w16[:, :d])  # the projection's bf16 value part
+            dk = _proj(rd(dak), w16[:, :d]) - (1 / math.sqrt(d)) * k16 * dak.sum(-1, keepdim=True)
+        dS0 = None if not ctx.needs_input_grad[3] else dSb[:, :, 0] + dSc[:, :, 0]
+        dz0 = None if not ctx.needs_input_grad[4] else dzb[:, :, 0] + dzc[:, :, 0]
+        return dq, dk, dv.reshape(B, H, n, -1), dS0, dz0, None, None, None, None, None, None, None, None
 
 
 def parallel_causal(q, k, v, w, a, C: int, rotary: bool, offset: int, base: float, lowp=None, segment=None):
@@ -332,7 +481,7 @@ def parallel_causal(q, k, v, w, a, C: int, rotary: bool, offset: int, base: floa
         if w is not None:
             kmask = F.pad(torch.ones(B, N, dtype=torch.bool, device=v.device) if kmask is None else kmask,
                           (0, Np - N), value=False)
-    wqk = None if w is None else favor_projection(w)
+    w16, c = (None, None) if w is None else _projection_operands(w, lowp)
     tables = (None, None)
     if rotary:
         pos = a.positions
@@ -345,13 +494,8 @@ def parallel_causal(q, k, v, w, a, C: int, rotary: bool, offset: int, base: floa
     seg = Np if segment is None else min(Np, -(-segment // C) * C)
     recompute = torch.is_grad_enabled() and kept_bytes(B, H, seg, q.shape[-1], a.m, e, C) > KEEP_BYTES
 
-    def run(q, k, v, kmask, cos2, sin2, S, z):
-        fq, fk = _features(q, k, wqk, kmask)
-        rq, rk = (fq, fk) if cos2 is None else (rotate(fq, cos2, sin2), rotate(fk, cos2, sin2))
-        return _segment(fq, fk, rq, rk, v, S, z, C, lowp)
-
-    def step(*args):  # above KEEP_BYTES a segment keeps its inputs only, and recomputes in the backward
-        return checkpoint(run, *args, use_reentrant=False) if recompute else run(*args)
+    def step(q, k, v, kmask, cos2, sin2, S, z):  # above KEEP_BYTES the backward recomputes the features
+        return _ChunkAttention.apply(q, k, v, S, z, w16, c, kmask, cos2, sin2, C, lowp, recompute)
 
     if seg == Np:  # one segment (no slices: their backward would copy)
         out, S, z = step(q, k, v, kmask, *tables, S, z)
