@@ -12,7 +12,7 @@ from linear_rope import FavorFeatures, LinearAttentionState
 from linear_rope import naive_rotary_linear_attention as naive
 from linear_rope import rotary_linear_attention as op
 from linear_rope.features import favor_features
-from linear_rope.ops import parallel
+from linear_rope.ops import parallel, rope_tables
 from linear_rope.ops import backend as dispatch
 
 
@@ -146,7 +146,7 @@ def test_launches_do_not_grow_with_N_or_B_and_no_host_syncs():
     forward + backward within 200 ATen launches, the same at N = 1024 and 4096 and B = 1 and 2,
     and not one host sync. The first call at a new length also builds its RoPE tables (kept for
     the next calls: every layer of a model shares them)."""
-    parallel._pair_tables_at.cache_clear()
+    rope_tables._pair_tables_at.cache_clear()
     first = _count(1, 1024)
     steady = _count(1, 1024)
     assert steady[1] == steady[3] == first[3] == 0, (first, steady)

@@ -50,7 +50,7 @@ from ..rotary import rotate_with_tables
 from .chunk_op import chunk_causal
 from .composite import features
 from .layout import OpConfig
-from .parallel import rope_tables
+from .rope_tables import rope_tables
 from .utils import LinearAttentionState
 
 __all__ = ["chunked_causal", "bidirectional", "documents", "CHUNK", "BLOCK"]

@@ -65,9 +65,10 @@ import torch.nn.functional as F
 
 from ..checks import is_compiling
 from ..features import key_exponent_floor, pair_shift
-from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
+from .bf16 import bmm32, mm32, round_bf16
+from .rope_tables import rope_pair_tables, rotate
 
-__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "rotate", "rope_pair_tables", "rope_tables", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "checks_enabled",
+__all__ = ["parallel_causal", "KEEP_BYTES", "kept_bytes", "CHUNK", "STATE_BYTES", "CHECKS_VAR", "checks_enabled",
            "compute_dtypes", "segment_tokens", "DOUBLE_BACKWARD"]
 
 CHUNK = 64  # tokens per chunk: 64-row tiles for the tensor cores; intra-chunk work O(N C m)
@@ -108,135 +109,6 @@ def kept_bytes(B: int, H: int, n: int, x: int, m: int, e: int, C: int) -> int:
     return B * H * (n * per_token + -(-n // C) * (m * e + m) * 4)
 
 
-@functools.lru_cache(maxsize=32)
-def _limb_tensors(dim: int, base: float, device: torch.device):
-    """``rope_turns``' constants as float64 tensors on ``device``, made once (a list copied to a
-    GPU on every call would be a host-to-device copy each time)."""
-    a, b = _turn_limbs(dim, base)
-    with torch.inference_mode(False):
-        return tuple(torch.tensor(t, dtype=torch.float64).to(device) for t in (a, b))
-
-
-def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False) -> torch.Tensor:
-    """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile.
-    ``nonneg``: the positions are known to lie in [0, MAX_POSITION] (no sign to carry)."""
-    if is_compiling():
-        return rope_turns(positions, dim, base, in_range=nonneg)
-    a, b = _limb_tensors(dim, float(base), positions.device)
-    p = positions.reshape(-1, 1)
-    mag = p if nonneg else p.abs()
-    limbs = torch.cat([(mag >> (_LIMB * j)) & ((1 << _LIMB) - 1) for j in range(3)], dim=1).to(torch.float64)
-    if not nonneg:
-        limbs = limbs * torch.where(p < 0, -1.0, 1.0).to(torch.float64)
-    turns = limbs @ a
-    turns -= turns.floor()
-    turns = torch.addmm(turns, limbs, b)
-    turns -= turns.floor()
-    if not nonneg:  # past MAX_POSITION (a wrapped sum, -2**63): NaN, as rope_turns gives
-        turns = turns.masked_fill((mag >> 62) != 0, float("nan"))
-    return turns.view(*positions.shape, dim // 2)
-
-
-CACHED_TABLE = 1 << 22  # entries of a cos / sin table kept between calls, at most (16 MiB in float32)
-
-
-@functools.lru_cache(maxsize=8)
-def _tables_at(n: int, dim: int, offset: int, base: float, device: torch.device, dtype: torch.dtype):
-    """cos, sin `[n, dim / 2]` of positions offset .. offset + n - 1 (eager: made once per shape;
-    plain tensors even when first asked for under ``torch.inference_mode``)."""
-    with torch.inference_mode(False), torch.no_grad():
-        return _tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
-
-
-def _tables(positions, dim, base, dtype):
-    angle = _turns(positions, dim, base) * (2 * torch.pi)
-    return angle.cos().to(dtype), angle.sin().to(dtype)
-
-
-def _pair_tables(positions, dim, base, dtype, nonneg=False):
-    """The tables of ``rotate``: (cos, cos) and (-sin, sin) per pair, `[..., n, dim]`."""
-    angle = (_turns(positions, dim, base, nonneg) * (2 * torch.pi)).to(dtype)  # in [0, 2 pi): exact to dtype
-    cos, sin = angle.cos(), angle.sin()
-    return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
-
-
-def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved pairs (``rotary.rotate_with_tables``) as ``x cos2 + swap(x) sin2``,
-    swap exchanging each pair: three elementwise kernels (no strided slices, whose backward
-    writes zeros first)."""
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return torch.addcmul(x * cos2, swapped, sin2)
-
-
-@functools.lru_cache(maxsize=8)
-def _pair_tables_at(n: int, dim: int, offset: int, base: float, device: torch.device, dtype: torch.dtype):
-    """``_pair_tables`` of positions offset .. offset + n - 1 (eager: made once per shape; plain
-    tensors even when first asked for under ``torch.inference_mode``)."""
-    with torch.inference_mode(False), torch.no_grad():
-        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype, nonneg=True)
-
-
-def rope_pair_tables(n: int, dim: int, offset: int, base: float, positions, device, dtype):
-    """``rotate``'s tables `[n, dim]`, or `[B, 1, n, dim]` for per-row ``positions`` `[B, n]`."""
-    if positions is not None:
-        cos2, sin2 = _pair_tables(positions.long(), dim, base, dtype)
-        return cos2[:, None], sin2[:, None]
-    if is_compiling() or n * dim > CACHED_TABLE:
-        return _pair_tables(torch.arange(offset, offset + n, device=device), dim, base, dtype, nonneg=True)
-    return _pair_tables_at(n, dim, offset, float(base), torch.device(device), dtype)
-
-
-def rope_tables(n: int, dim: int, offset: int, base: float, positions, device, dtype):
-    """cos, sin `[n, dim / 2]`, or `[B, 1, n, dim / 2]` for per-row ``positions`` `[B, n]`."""
-    if torch.jit.is_tracing():  # sizes are traced tensors there: the uncached tables
-        cos, sin = rotary_tables(int(n), int(dim), offset=offset, base=base, dtype=dtype, device=device,
-                                 positions=positions)
-        return (cos[:, None], sin[:, None]) if positions is not None else (cos, sin)
-    if positions is not None:
-        cos, sin = _tables(positions.long(), dim, base, dtype)
-        return cos[:, None], sin[:, None]
-    if is_compiling() or n * dim // 2 > CACHED_TABLE:
-        return _tables(torch.arange(offset, offset + n, device=device), dim, base, dtype)
-    return _tables_at(n, dim, offset, float(base), torch.device(device), dtype)
-
-
-def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b `[..., M, K] x [..., K, P]` of bf16 operands with a float32 result (float32
-    accumulation, never rounded to bf16): cuBLAS's bf16 GEMM with a float32 output."""
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    return torch.bmm(a3, b3, out_dtype=torch.float32).view(*lead, a.shape[-2], b.shape[-1])
-
-
-@functools.lru_cache(maxsize=None)
-def _has_bf16_f32_gemm(device: torch.device) -> bool:
-    """Whether ``torch.bmm(..., out_dtype=torch.float32)`` takes bf16 operands on ``device``
-    (CUDA builds of recent PyTorch); asked once per device, with a tiny product."""
-    if device.type != "cuda":
-        return False
-    try:
-        x = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
-        return torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _native(t: torch.Tensor) -> bool:
-    return t.is_cuda and (is_compiling() or _has_bf16_f32_gemm(t.device))
-
-
-def _round(t: torch.Tensor) -> torch.Tensor:
-    """The GEMM operand: bf16 where the GEMM takes bf16 with a float32 result (CUDA); elsewhere
-    the bf16-rounded values in float32, whose float32 products are what the tensor cores compute."""
-    t16 = t.to(torch.bfloat16, memory_format=torch.contiguous_format)  # the copy lays it out too
-    return t16 if _native(t) else t16.float()
-
-
-def _mm32(a, b):
-    return _bmm32(a, b) if a.dtype == torch.bfloat16 else a @ b
-
-
 @functools.lru_cache(maxsize=16)
 def _above_diagonal(C: int, device: torch.device) -> torch.Tensor:
     """`[C, C]` bool, True above the diagonal: the keys a query of the chunk does not see."""
@@ -262,7 +134,7 @@ def _proj(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     float32 result), never w copied per batch and head."""
     if x.dtype != torch.bfloat16:
         return x @ w
-    return _bmm32(x.reshape(1, -1, x.shape[-1]), w[None]).view(*x.shape[:-1], w.shape[-1])
+    return bmm32(x.reshape(1, -1, x.shape[-1]), w[None]).view(*x.shape[:-1], w.shape[-1])
 
 
 def _features(q16, k16, w16, c, kmask):
@@ -299,8 +171,8 @@ def _projection_operands_of(w, lowp):
     the pair shifts (``features.pair_shift``)."""
     w16, c = w * w.shape[-1] ** -0.25, pair_shift(w)
     if lowp is not None:
-        hi = _round(w16)
-        w16 = torch.cat((hi, _round(w16 - hi.float())), 1)
+        hi = round_bf16(w16)
+        w16 = torch.cat((hi, round_bf16(w16 - hi.float())), 1)
     return w16, c
 
 
@@ -375,16 +247,16 @@ class _ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, w16, c, kmask, cos2, sin2, C: int, lowp, recompute: bool):
-        rd = _same if lowp is None else _round
+        rd = _same if lowp is None else round_bf16
         B, H, n, _ = q.shape
         q16, k16 = (rd(q), rd(k)) if w16 is not None else (q, k)
         fq, fk = _features(q16, k16, w16, c, kmask)
         Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)
         vc = _chunks(rd(v), C)
         upper = _upper(C, v.device)
-        A = _mm32(Qr, Kr.transpose(-1, -2)).masked_fill(upper, 0)  # (B, H, nc, C, C): scores in chunks
-        D = _mm32(Qf, Kf.transpose(-1, -2)).masked_fill(upper, 0)  # the denominator's, unrotated
-        Sc = _mm32(Kr.transpose(-1, -2), vc)  # (B, H, nc, m, e): every chunk's state, one GEMM
+        A = mm32(Qr, Kr.transpose(-1, -2)).masked_fill(upper, 0)  # (B, H, nc, C, C): scores in chunks
+        D = mm32(Qf, Kf.transpose(-1, -2)).masked_fill(upper, 0)  # the denominator's, unrotated
+        Sc = mm32(Kr.transpose(-1, -2), vc)  # (B, H, nc, m, e): every chunk's state, one GEMM
         zc = Kf.sum(-2, dtype=fq.dtype)  # (B, H, nc, m): every chunk's key sum
         if S0 is None:  # the state before each chunk: an exclusive prefix over chunks, from S0
             Sb = F.pad(Sc[:, :, :-1], (0, 0, 0, 0, 1, 0)).cumsum(2)
@@ -396,8 +268,8 @@ class _ChunkAttention(torch.autograd.Function):
         A16 = rd(A)
         if lowp is not None:  # A in two bf16 parts (value, remainder) along K: one GEMM
             A2, vc2 = torch.cat((A16, rd(A - A16.float())), -1), torch.cat((vc, vc), -2)
-        num = _mm32(A16, vc) if lowp is None else _mm32(A2, vc2)
-        num = num + _mm32(Qr, Sb16)  # (B, H, nc, C, e)
+        num = mm32(A16, vc) if lowp is None else mm32(A2, vc2)
+        num = num + mm32(Qr, Sb16)  # (B, H, nc, C, e)
         den = D.sum(-1, keepdim=True) + (Qf * zb[..., None, :]).sum(-1, keepdim=True, dtype=fq.dtype)
         out = (num / den.masked_fill(den <= 0, 1)).reshape(B, H, n, -1)
         kept = (None,) * 4 if recompute else (Qr, Qf, Kr, Kf)
@@ -418,7 +290,7 @@ class _ChunkAttention(torch.autograd.Function):
         q16, k16, vc, w16, c, kmask, cos2, sin2, out, den, Sb16, zb, A, Qr, Qf, Kr, Kf = ctx.saved_tensors
         if dout is None:  # only the final state used
             dout = torch.zeros(out.shape, dtype=den.dtype, device=den.device)
-        C, rd = ctx.C, (_same if ctx.lowp is None else _round)
+        C, rd = ctx.C, (_same if ctx.lowp is None else round_bf16)
         if ctx.recompute:  # the features again, from q and k
             fq, fk = _features(q16, k16, w16, c, kmask)
             Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)
@@ -431,20 +303,20 @@ class _ChunkAttention(torch.autograd.Function):
         dden = -(dnum * _chunks(out, C)).sum(-1, keepdim=True) * pos  # (B, H, nc, C, 1): -dout . out / den
         dnum = rd(dnum)
         # the numerator: the masked products and the states, as flash attention's and fla's backward
-        dSb = _mm32(Qr.transpose(-1, -2), dnum)  # (B, H, nc, m, e)
+        dSb = mm32(Qr.transpose(-1, -2), dnum)  # (B, H, nc, m, e)
         dSc = _suffix(dSb, dS)
         dSc16 = rd(dSc)
-        dv = _mm32(A.transpose(-1, -2), dnum) + _mm32(Kr, dSc16)
-        dA = rd(_mm32(dnum, vc.transpose(-1, -2)).masked_fill(upper, 0))
-        drq = _mm32(dA, Kr) + _mm32(dnum, Sb16.transpose(-1, -2))
-        drk = _mm32(dA.transpose(-1, -2), Qr) + _mm32(vc, dSc16.transpose(-1, -2))
+        dv = mm32(A.transpose(-1, -2), dnum) + mm32(Kr, dSc16)
+        dA = rd(mm32(dnum, vc.transpose(-1, -2)).masked_fill(upper, 0))
+        drq = mm32(dA, Kr) + mm32(dnum, Sb16.transpose(-1, -2))
+        drk = mm32(dA.transpose(-1, -2), Qr) + mm32(vc, dSc16.transpose(-1, -2))
         # the denominator: D's gradient is dden along each row (j <= i), the key sums' a suffix over chunks
         dD = rd(dden.expand(*dden.shape[:-1], C).masked_fill(upper, 0))
         dzb = (Qf * dden).sum(-2, dtype=dden.dtype)  # (B, H, nc, m)
         dzc = _suffix(dzb, dz) if dz is None else \
             torch.cat((dzb[:, :, 1:], dz[:, :, None]), 2).flip(2).cumsum(2).flip(2)  # (small: the cat is cheap)
-        dfq = _mm32(dD, Kf) + dden * zb[..., None, :]
-        dfk = _mm32(dD.transpose(-1, -2), Qf) + dzc[..., None, :]
+        dfq = mm32(dD, Kf) + dden * zb[..., None, :]
+        dfk = mm32(dD.transpose(-1, -2), Qf) + dzc[..., None, :]
         drq, drk, dfq, dfk = (t.reshape(B, H, n, m) for t in (drq, drk, dfq, dfk))
         if cos2 is not None:
             drq, drk = _rotate_t(drq, cos2, sin2), _rotate_t(drk, cos2, sin2)
