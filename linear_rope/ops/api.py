@@ -26,7 +26,7 @@ from .backend import choose, record, takes_parallel
 from .chunk import bidirectional, chunked_causal, documents
 from .composite import composite_causal
 from .parallel import checks_enabled
-from .prepare import check_sizes, parallel_path, run_torch
+from .prepare import check_sizes, run_torch
 from .utils import LinearAttentionState, Options, check_args
 
 __all__ = ["rotary_linear_attention"]
@@ -110,8 +110,7 @@ def rotary_linear_attention(
     if causal and not par and torch.jit.is_tracing():
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
                            "that walks blocks in Python); use torch.compile instead")
-    fn = parallel_path(q, block_size) if par else _PATHS[path]
-    return run_torch(fn, q, k, v, a, opts, chunk_size, block_size, par=par, read=read)
+    return run_torch(_PATHS.get(path), q, k, v, a, opts, chunk_size, block_size, par=par, read=read)
 
 
 _PATHS = {"torch": chunked_causal, "composite": composite_causal, "bidirectional": bidirectional,

@@ -2,7 +2,7 @@
 
 ``run_torch`` takes the checked arguments (``utils.check_args``) and a path ``(q, k, v, w, a,
 cfg) -> (out, S, z)``: the chunked custom op or the closed form (``chunk.py``), the composite
-form (``composite.py``) or the chunk-parallel path (``parallel_path``). Around the path it does
+form (``composite.py``) or the chunk-parallel path (``_parallel``, for ``par``). Around the path it does
 what every one of them needs: the compute dtype with autocast off, empty calls, padding selected
 away, the feature scale (``utils.normalise_scale``), a zero value column for e = 0, packed
 documents of no tokens, and the output back in v's dtype with the final state.
@@ -19,7 +19,7 @@ from .layout import OpConfig
 from .parallel import compute_dtypes, parallel_causal, segment_tokens
 from .utils import LinearAttentionState, check_final_state, normalise_scale
 
-__all__ = ["check_sizes", "parallel_path", "run_torch"]
+__all__ = ["check_sizes", "run_torch"]
 
 
 def check_sizes(chunk_size, block_size, causal: bool) -> None:
@@ -32,13 +32,6 @@ def check_sizes(chunk_size, block_size, causal: bool) -> None:
                          "effect with causal=False; leave them out")
 
 
-def parallel_path(q, block_size: int | None):
-    """The chunk-parallel path (``parallel.py``) as a path of ``run_torch``, with the GEMM operand
-    dtype of the call (bf16 for bf16 inputs or under a bf16 autocast, read here, outside the
-    run's autocast-free block) and ``block_size`` as its segment."""
-    return functools.partial(_parallel, lowp=compute_dtypes(q.dtype, q.device.type)[1], block_size=block_size)
-
-
 def _parallel(q, k, v, w, a, cfg: OpConfig, lowp, block_size: int | None):
     B, H, N, e = v.shape
     C = min(cfg.C, N)
@@ -48,10 +41,14 @@ def _parallel(q, k, v, w, a, cfg: OpConfig, lowp, block_size: int | None):
 
 def run_torch(path, q, k, v, a, opts, chunk_size: int | None, block_size: int | None, *, par: bool, read: bool):
     """``path`` on the checked arguments ``a`` of the call (``opts``: its keywords) -> what the op
-    returns. ``par``: the chunk-parallel path, which syncs with the host nowhere; ``read``: the
-    checks that read tensor values are on (for the final state's)."""
+    returns. ``par``: the chunk-parallel path (``path`` None), which syncs with the host nowhere,
+    its GEMM operand dtype read here, outside the autocast-free block (bf16 for bf16 inputs or
+    under a bf16 autocast) and ``block_size`` its segment; ``read``: the checks that read tensor
+    values are on (for the final state's)."""
     out_dtype = v.dtype
-    cdt = compute_dtypes(q.dtype, q.device.type)[0]
+    cdt, lowp = compute_dtypes(q.dtype, q.device.type)
+    if par:
+        path = functools.partial(_parallel, lowp=lowp, block_size=block_size)
     B, H, N, e = q.shape[:3] + v.shape[-1:]
     if B * H == 0 or N == 0:
         return _empty(q, k, v, a, cdt, opts.output_final_state)
