@@ -130,9 +130,9 @@ def check_backend(device: torch.device | str | None = None) -> str:
     Every other backend runs on any device."""
     try:
         name = backend()
-    except ValueError as e:
-        if "triton" in str(e):
-            raise
+    except ValueError:
+        if os.environ.get(ENV_VAR, "").strip().lower() == "triton":
+            raise  # TRITON_REMOVED's line
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r} is not a backend: use one of "
                          f"{', '.join(BACKENDS)}, or unset it") from None
     dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
