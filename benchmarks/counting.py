@@ -30,7 +30,8 @@ Rules:
   ``results/launches_baseline.json``, commit 011edba). The CPU's buffer pool (``ops/workspace.py``)
   is cleared before each count, so every buffer is a fresh allocation, as on a GPU.
 * **GEMM FLOPs** by operand dtype: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (2 per multiply-add),
-  to show what runs in fp32 under bf16 autocast.
+  to show what runs in fp32 under bf16 autocast; and the sizes of the tensors cast or copied
+  (``copied``: ``_to_copy``, ``copy_``), to show what a step re-casts.
 * Each sync is attributed to the innermost stack frame in ``linear_rope/`` outside ``checks.py``
   (a shared check's sync belongs to its caller), as ``linear_rope/x.py:12`` (None where no package
   frame is on the stack), with what it was; each launch to the innermost ``linear_rope/`` file and
@@ -89,6 +90,7 @@ class Counter:
         self.launches = self.syncs = self.calls = self.custom = 0
         self.ops, self.sync_at, self.launch_at = (collections.Counter() for _ in range(3))
         self.gemm_flops = collections.Counter()
+        self.copied: list[int] = []  # the sizes (elements) of the tensors cast or copied (_to_copy, copy_)
         self._reading = 0
 
     def sync(self, what: str) -> None:
@@ -143,6 +145,8 @@ class _Dispatch(TorchDispatchMode):
             c.launches += 1
             c.ops[name] += 1
             c.launch_at[_site(False)] += 1
+        if name in ("_to_copy", "copy_"):
+            c.copied.append(args[-1 if name == "copy_" else 0].numel())
         if name in GEMMS:
             a, b = (args[i] for i in GEMMS[name])
             c.gemm_flops[str(a.dtype).replace("torch.", "")] += 2 * a.numel() * b.shape[-1]

@@ -11,6 +11,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
     sys.path.insert(0, str(ROOT))
 
 import linear_rope.decode as decode_mod  # noqa: E402
+from benchmarks.counting import counted  # noqa: E402
 import linear_rope.decode_step as decode_step  # noqa: E402
 from linear_rope.decode import Decoder, sample_next  # noqa: E402
 from linear_rope.model import LM_POSITIONS, PerformerLM  # noqa: E402
@@ -329,19 +330,6 @@ def test_past_the_recompile_limit_the_step_says_so_and_decodes_eagerly(monkeypat
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-class CastRecorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """The sizes of the tensors cast or copied (``_to_copy``, ``copy_``) while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
-            self.sizes.append(args[-1].numel() if func.overloadpacket is torch.ops.aten.copy_ else args[0].numel())
-        return func(*args, **(kwargs or {}))
-
-
 def autocast_reference(model, tok, states, pos):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return model.step(tok, states, pos)
@@ -366,9 +354,9 @@ def test_under_autocast_the_step_casts_no_weight_and_gives_the_autocast_step(kw)
     for t in range(NEW):
         tok = torch.stack([s[len(s) - NEW + t] for s in seqs])
         want, states = autocast_reference(model, tok, states, pos + t)
-        with CastRecorder() as rec, torch.autocast("cpu", dtype=torch.bfloat16):
+        with counted() as rec, torch.autocast("cpu", dtype=torch.bfloat16):
             got = dec.step(tok)
-        big = [n for n in rec.sizes if n >= smallest]
+        big = [n for n in rec.copied if n >= smallest]
         assert (len(big) > 0) == (t == 0), (t, big)  # the first step casts the weights, no later one
         assert got.dtype == want.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
