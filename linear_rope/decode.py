@@ -266,9 +266,11 @@ class Decoder:
         return cast
 
     def refresh(self) -> None:
-        """Recast the held weights at the next step. Needed only after writing the model's weights
-        in a way no version counter sees (through ``.data``); in-place updates (an optimizer step,
-        ``load_state_dict``) and replaced tensors are seen at every step."""
+        """Recast the held weights at the next step from the model's current tensors. Needed only
+        after writing the model's weights in a way no version counter sees (through ``.data``, or
+        a NumPy or DLPack view); in-place updates (an optimizer step, ``load_state_dict``) and
+        replaced tensors (``load_state_dict(assign=True)``, ``module.weight = ...``) are seen at
+        every step. The FAVOR+ projections and RoPE tables are copied at ``prefill`` / ``load``."""
         self._held.refresh()
 
     def _forward_step(self, token: torch.Tensor) -> torch.Tensor:

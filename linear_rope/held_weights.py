@@ -2,8 +2,11 @@
 
 Under autocast (a float32 model, bfloat16 autocast, say) every linear layer would cast its weight
 at every token. ``HeldWeights`` casts the step's matrices (the attention projections, the
-feed-forward and the head) once, and again only when a weight changes: each weight's version
-counter and address, checked on the host at every step (no device read). The step then runs
+feed-forward and the head) once, and again only when a weight changes: at every step the
+modules' current tensors are read (a Parameter replaced, by ``load_state_dict(assign=True)`` or
+``module.weight = ...``, is seen) and each one's identity, storage, offset, strides and version
+counter compared on the host (no device read). A snapshot: writes no version counter sees
+(``.data``, NumPy or DLPack views) need ``refresh()``. The step then runs
 with autocast off, as plain GEMMs in the autocast dtype (``linear``).
 """
 from __future__ import annotations
@@ -55,7 +58,7 @@ class HeldWeights:
     def sync(self, device: torch.device, static: bool) -> bool:
         """Hold the step's matrices in the autocast dtype where autocast would cast them at every
         token (a float32 model under bfloat16 autocast, say); recast them where a weight changed
-        since (its version counter or address: host reads, no device sync). True: the step is
+        since (another tensor, storage, offset, strides or version: host reads, no device sync). True: the step is
         to run on them with autocast off. ``static``: mark new copies as static addresses (for
         a compiled step)."""
         ac = autocast_dtype(device)
@@ -64,27 +67,33 @@ class HeldWeights:
         if cdt is None:
             self.w = None
             return False
+        groups = self._sources(cdt)  # the modules' current tensors, read at every step (host reads)
+        src = [t for g in groups for mod in g if mod is not None for t in (mod.weight, mod.bias) if t is not None]
+        layout = [(t.shape, t.dtype, t.device) for t in src] + [cdt]
         c = self._cast
-        if c is None or c["dtype"] != cdt:
-            groups = self._sources(cdt)
-            src = [t for g in groups for mod in g if mod is not None for t in (mod.weight, mod.bias) if t is not None]
-            dst = [torch.empty_like(t, dtype=cdt) for t in src]
+        if c is None or c["layout"] != layout:
+            dst = [torch.empty_like(t, dtype=cdt, memory_format=torch.contiguous_format) for t in src]
             if static:
                 for t in dst:
                     torch._dynamo.mark_static_address(t)
             held = iter(dst)
-            self.w = tuple(tuple(None if mod is None else (next(held), None if mod.bias is None else next(held))
-                                 for mod in g) for g in groups)
-            c = self._cast = dict(dtype=cdt, src=src, dst=dst, sig=None)
-        sig = [(t._version, t.data_ptr()) for t in c["src"]]
+            w = tuple(tuple(None if mod is None else (next(held), None if mod.bias is None else next(held))
+                            for mod in g) for g in groups)
+            c = self._cast = dict(layout=layout, dst=dst, w=w, sig=None)
+        self.w = c["w"]  # (again after a step without autocast, which set it to None)
+        # what decides the copies: which tensor each is (a replaced Parameter, assign=True) and its
+        # storage, offset, strides and version (an in-place write)
+        sig = [(id(t), t.untyped_storage().data_ptr(), t.storage_offset(), t.stride(), t._version) for t in src]
         if sig != c["sig"]:
             with torch.no_grad():
-                for d, t in zip(c["dst"], c["src"]):
+                for d, t in zip(c["dst"], src):
                     d.copy_(t)
-            c["sig"] = sig
+            c["sig"], c["src"] = sig, src  # src kept: no other tensor takes a seen id while it is compared
         return True
 
     def refresh(self) -> None:
-        """Recast at the next ``sync``, whatever the version counters say."""
+        """Recast at the next ``sync`` from the modules' current tensors, whatever their version
+        counters say: needed only after a write that no version counter sees (through ``.data``,
+        or a NumPy or DLPack view of a weight's memory)."""
         if self._cast is not None:
             self._cast["sig"] = None

@@ -578,7 +578,8 @@ def test_a_config_is_checked_against_its_weights_before_anything_is_built(tmp_pa
     """Nothing is built (not even on ``meta``) for a depth of 1e6 or an ``nb_features`` of 1e9;
     a field config.json lacks is named as the default the weights contradict; a keyword of
     from_pretrained is named as the cause."""
-    from linear_rope.hf import loading, modeling
+    from linear_rope import weights_fit
+    from linear_rope.hf import modeling
 
     LinearRopeForCausalLM.from_performer(tiny("rope")).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -586,7 +587,7 @@ def test_a_config_is_checked_against_its_weights_before_anything_is_built(tmp_pa
     built = []
     monkeypatch.setattr(modeling, "PerformerLM", lambda *a, **k: built.append("model"))
     if "dim" not in changes:
-        monkeypatch.setattr(loading, "PerformerLM", lambda *a, **k: built.append("meta"))
+        monkeypatch.setattr(weights_fit, "PerformerLM", lambda *a, **k: built.append("meta"))
     for name, load in config_entry_points(tmp_path).items():
         if "config" in name.lower() and "model" not in name.lower():
             continue  # a config alone describes no weights

@@ -143,7 +143,7 @@ def test_a_checkpoint_with_nan_weights_is_refused(tmp_path, capsys):
     ("depth", 10**6, "depth 1000000, but the weights hold 2 blocks"),
     ("heads", 10**6, "blocks.0.attn.to_qkv.weight should be [24000000, 32], is [48, 32]"),
     ("dim", 10**6, "tok_emb.weight should be [256, 1000000], is [256, 32]"),
-    ("nb_features", 10**9, "nb_features 1000000000 needs more numbers than the whole checkpoint holds"),
+    ("nb_features", 10**9, "nb_features 1000000000 needs more numbers than the weights hold"),
 ])
 def test_a_config_that_does_not_describe_the_weights_is_refused_before_building(tmp_path, capsys, field, value,
                                                                                  text):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model import ModelConfig, PerformerLM
+from ..weights_fit import config_fits
 from .checkpoint import (CheckpointError, load_checkpoint, nonfinite, previous_checkpoint, resolve_checkpoint,
                          verify_params)
 from ..ops.backend import check_backend
@@ -32,20 +33,12 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 
 def _check_shapes(cfg: ModelConfig, sd: dict, path) -> None:
-    """The config must describe the weights stored beside it, checked on the shapes that size
-    the model before it is built: a config edited to depth 1e6 would otherwise build for hours."""
-    blocks = {k.split(".")[1] for k in sd if k.startswith("blocks.")}
-    want = {"tok_emb.weight": (cfg.vocab_size, cfg.dim),
-            "blocks.0.attn.to_qkv.weight": (3 * cfg.heads * cfg.dim_head, cfg.dim),
-            "blocks.0.ff.0.weight": (cfg.ff_mult * cfg.dim, cfg.dim)}
-    bad = [f"depth {cfg.depth}, but the weights hold {len(blocks)} blocks"] if len(blocks) != cfg.depth else []
-    bad += [f"{k} should be {list(shape)}, is {list(sd[k].shape) if k in sd else 'missing'}"
-            for k, shape in want.items() if k not in sd or tuple(sd[k].shape) != shape]
-    held = sum(t.numel() for t in sd.values())
-    if cfg.nb_features is not None and cfg.nb_features * cfg.dim_head > held:
-        bad.append(f"nb_features {cfg.nb_features} needs more numbers than the whole checkpoint holds")
+    """The config must describe the weights stored beside it (``weights_fit.config_fits``, before
+    the model is built: a config edited to depth 1e6, or an absolute table of 2**24 rows, would
+    otherwise be allocated first)."""
+    bad = config_fits(cfg, {k: tuple(t.shape) for k, t in sd.items() if isinstance(t, torch.Tensor)})
     if bad:
-        raise CheckpointError(f"{path}: its config does not describe its weights ({'; '.join(bad[:3])})")
+        raise CheckpointError(f"{path}: its config does not describe its weights ({bad})")
 
 
 def load_verified(path, tries: int = 3) -> tuple[PerformerLM, dict, Path]:

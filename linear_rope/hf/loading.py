@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..model import ModelConfig, PerformerLM
+from ..model import ModelConfig
+from ..weights_fit import config_fits, shapes_error
 from .configuration import ALIASES, MODEL_FIELDS, config_file
 
 __all__ = ["weight_shapes", "check_config_fits", "shapes_error", "checked_against_weights", "check_before_building",
@@ -73,13 +74,6 @@ def weight_shapes(name_or_path, subfolder: str = "", variant: str | None = None,
     return (files[0], shapes) if files else None
 
 
-def shapes_error(missing, mismatched, unexpected) -> str | None:
-    """``N missing (a, b, c, ...); N mismatched (...); N unexpected (...)``, or None."""
-    parts = [("missing", sorted(missing)), ("mismatched", sorted(mismatched)), ("unexpected", sorted(unexpected))]
-    bad = [f"{len(v)} {k} ({', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''})" for k, v in parts if v]
-    return "; ".join(bad) or None
-
-
 def check_config_fits(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], file: Path, config: str,
                       defaulted=()) -> None:
     """ValueError (one line, naming ``file`` and ``config``, where the config came from, and the
@@ -90,28 +84,10 @@ def check_config_fits(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], file
         raise ValueError(f"{file}: its weights do not match {config} ({what}{lacks}); re-export the run, or "
                          f"restore the folder's config.json and weights")
 
-    held = {k[len(PREFIX):]: s for k, s in shapes.items() if k.startswith(PREFIX)}
-    blocks = {k.split(".")[1] for k in held if k.startswith("blocks.")}
-    if len(blocks) != cfg.depth:  # first: a depth of 1e6 is never built, even on meta
-        refuse(f"depth {cfg.depth}, but the weights hold {len(blocks)} blocks")
-    want = {"tok_emb.weight": (cfg.vocab_size, cfg.dim), "head.weight": (cfg.vocab_size, cfg.dim),
-            "blocks.0.attn.to_qkv.weight": (3 * cfg.heads * cfg.dim_head, cfg.dim),
-            "blocks.0.ff.0.weight": (cfg.ff_mult * cfg.dim, cfg.dim)}
-    bad = [f"{k} should be {list(s)}, is {list(held[k]) if k in held else 'missing'}"
-           for k, s in want.items() if held.get(k) != s]
-    if bad:
-        refuse("; ".join(bad[:3]))
-    numbers = sum(int(torch.Size(s).numel()) for s in shapes.values())
-    if cfg.nb_features is not None and cfg.nb_features * cfg.dim_head > numbers:  # a projection is drawn for it
-        refuse(f"nb_features {cfg.nb_features} needs more numbers than the weights hold")
     try:
-        with torch.device("meta"):  # widths bounded by the file's now: shapes only, nothing allocated
-            sd = PerformerLM(cfg).state_dict()
+        err = config_fits(cfg, shapes, PREFIX)
     except ValueError as e:  # a combination ModelConfig accepts and a layer refuses (elu with m != d)
         raise ValueError(f"{config}: {' '.join(str(e).split())}") from None
-    want = {PREFIX + k: tuple(t.shape) for k, t in sd.items()}
-    err = shapes_error(set(want) - set(shapes), {k for k in set(want) & set(shapes) if want[k] != shapes[k]},
-                       set(shapes) - set(want))
     if err:
         refuse(err)
 

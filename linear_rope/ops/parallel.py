@@ -165,7 +165,7 @@ def _operands(fq, fk, cos2, sin2, rd, C: int):
     return tuple(_chunks(rd(t), C) for t in (rq, fq, rk, fk))
 
 
-def _projection_operands_of(w, lowp):
+def _projection_operands(w, lowp):
     """(w16, c): the FAVOR+ projection scaled by d^(-1/4) as a GEMM operand (under bf16 its two
     bf16 parts along K, value and remainder: the exponents as from the float32 w, one GEMM) and
     the pair shifts (``features.pair_shift``)."""
@@ -173,27 +173,7 @@ def _projection_operands_of(w, lowp):
     if lowp is not None:
         hi = round_bf16(w16)
         w16 = torch.cat((hi, round_bf16(w16 - hi.float())), 1)
-    return w16, c
-
-
-_PROJECTIONS: dict = {}  # (address, version, shape, dtype, device, lowp) -> (w, operands); 8 at most
-
-
-def _projection_operands(w, lowp):
-    """``_projection_operands_of``, made once per projection while it is unchanged (eager; a
-    redraw writes in place, which bumps the version; an entry holds its ``w``, so no other tensor
-    takes that address while it is kept)."""
-    if is_compiling() or w.requires_grad or torch.is_inference(w):
-        return _projection_operands_of(w, lowp)
-    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, lowp)
-    hit = _PROJECTIONS.get(key)
-    if hit is None:
-        with torch.no_grad():
-            hit = (w, _projection_operands_of(w, lowp))
-        if len(_PROJECTIONS) >= 8:
-            _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
-        _PROJECTIONS[key] = hit
-    return hit[1]
+    return w16, c  # made at every call: no cache to go stale (a `[m, d]` cast costs nothing next to a step)
 
 
 def _rotate_t(x, cos2, sin2):

@@ -11,22 +11,14 @@ import functools
 import torch
 
 from ..checks import is_compiling
-from ..rotary import _LIMB, _turn_limbs, rope_turns, rotary_tables
+from ..rotary import _LIMB, _limb_tensors, rope_turns, rotary_tables
 
 __all__ = ["CACHED_TABLE", "rotate", "rope_pair_tables", "rope_tables"]
 
 
-@functools.lru_cache(maxsize=32)
-def _limb_tensors(dim: int, base: float, device: torch.device):
-    """``rope_turns``' constants as float64 tensors on ``device``, made once (a list copied to a
-    GPU on every call would be a host-to-device copy each time)."""
-    a, b = _turn_limbs(dim, base)
-    with torch.inference_mode(False):
-        return tuple(torch.tensor(t, dtype=torch.float64).to(device) for t in (a, b))
-
-
 def _turns(positions: torch.Tensor, dim: int, base: float, nonneg: bool = False) -> torch.Tensor:
-    """``rotary.rope_turns`` with its constants cached per device (eager); the same under compile.
+    """``rotary.rope_turns`` with its constants kept per device (``rotary._limb_tensors``, the one
+    copy); the same under compile.
     ``nonneg``: the positions are known to lie in [0, MAX_POSITION] (no sign to carry)."""
     if is_compiling():
         return rope_turns(positions, dim, base, in_range=nonneg)

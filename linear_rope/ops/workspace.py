@@ -11,7 +11,10 @@ saved them, are gone), so a buffer still needed by a pending backward is never r
 The pool holds at most ``LIMIT_BYTES``: a size that does not fit evicts idle buffers of other
 sizes (the oldest first), and where the buffers in use leave no room it is a plain allocation;
 ``clear()`` releases the pool.
-CUDA has its own caching allocator, so only CPU tensors are pooled.
+CUDA has its own caching allocator, so only CPU tensors are pooled. A buffer is keyed on its
+element count, dtype and whether it was made under ``torch.inference_mode`` (an inference tensor
+cannot be written or saved for backward outside that mode); its contents are never read before
+they are written, so nothing else decides what a call computes.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ __all__ = ["LIMIT_BYTES", "empty", "clear", "held_bytes"]
 LIMIT_BYTES = 512 << 20
 
 _lock = threading.Lock()
-_pool: dict[tuple, list[tuple[torch.Tensor, int]]] = {}  # (numel, dtype) -> [(buffer, its idle use count)]
+_pool: dict[tuple, list[tuple[torch.Tensor, int]]] = {}  # (numel, dtype, inference) -> [(buffer, its idle use count)]
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -49,7 +52,9 @@ def empty(shape, like: torch.Tensor) -> torch.Tensor:
     if like.device.type != "cpu":
         return like.new_empty(shape)
     n = math.prod(shape)
-    key = (n, like.dtype)
+    # A buffer made under ``torch.inference_mode`` is an inference tensor: written in place or
+    # saved for backward outside that mode it raises, so each mode has buffers of its own.
+    key = (n, like.dtype, torch.is_inference_mode_enabled())
     with _lock:
         bufs = _pool.setdefault(key, [])
         for b, idle in bufs:
