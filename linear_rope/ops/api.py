@@ -85,7 +85,7 @@ def rotary_linear_attention(
         or e = 0 give empty results (N = 0: the state passes through). Double backward is a
         one-line RuntimeError on the torch and chunk-parallel paths (hand-written backwards;
         ``torch.func``'s composite path differentiates to any order); so is ``torch.jit.trace``
-        of the causal path (use ``torch.compile``).
+        of a causal call, on every path (use ``torch.compile``).
 
     Paths (``LINEAR_ROPE_BACKEND``, chosen and recorded by ``backend.py``): ``auto`` takes the
     chunk-parallel path (``parallel.py``) for causal calls on CUDA tensors and the torch path
@@ -107,9 +107,10 @@ def rotary_linear_attention(
     if path == "fla":  # forced: fla-core's kernels or an error
         return _forced_fla(q, k, v, opts._asdict())
     par = path == "parallel"
-    if causal and not par and torch.jit.is_tracing():
-        raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal path (a custom op "
-                           "that walks blocks in Python); use torch.compile instead")
+    if causal and torch.jit.is_tracing():  # every causal path: the same refusal
+        raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal paths (their "
+                           "backwards are written by hand, the torch path walks blocks in Python); use "
+                           "torch.compile instead")
     return run_torch(_PATHS.get(path), q, k, v, a, opts, chunk_size, block_size, par=par, read=read)
 
 
