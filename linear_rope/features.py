@@ -118,11 +118,11 @@ class FavorFeatures(nn.Module):
         super().__init__()
         if kind not in FEATURE_KINDS:
             raise ValueError(f"kind must be one of {FEATURE_KINDS}, got {kind!r}")
-        if not isinstance(dim_head, int) or dim_head < 1:
+        if isinstance(dim_head, bool) or not isinstance(dim_head, int) or dim_head < 1:
             raise ValueError(f"dim_head must be a positive int, got {dim_head!r}")
         if kind == "favor":
             nb_features = default_nb_features(dim_head) if nb_features is None else nb_features
-            if not isinstance(nb_features, int) or nb_features < 1:
+            if isinstance(nb_features, bool) or not isinstance(nb_features, int) or nb_features < 1:
                 raise ValueError(f"nb_features must be a positive int, got {nb_features!r}")
         elif nb_features not in (None, dim_head):
             raise ValueError(

@@ -169,6 +169,9 @@ class PerformerLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig | None = None, **overrides):
         super().__init__()
+        if cfg is not None and not isinstance(cfg, ModelConfig):
+            hint = f" (PerformerLM.from_preset({cfg!r}) builds a preset)" if isinstance(cfg, str) else ""
+            raise TypeError(f"cfg must be a ModelConfig or None, got {type(cfg).__name__}{hint}")
         cfg = ModelConfig(**{**asdict(cfg or ModelConfig()), **overrides})
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)

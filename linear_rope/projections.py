@@ -17,9 +17,9 @@ __all__ = ["HeadProjections", "check_sizes"]
 
 
 def check_sizes(**sizes) -> None:
-    """ValueError unless every size given is a positive int."""
+    """ValueError unless every size given is a positive int (a bool is not one)."""
     for name, val in sizes.items():
-        if not isinstance(val, int) or val < 1:
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
 
 
@@ -28,6 +28,8 @@ class HeadProjections(nn.Module):
     (the order of creation is the order of the random initialisation)."""
 
     def _init_projections(self, dim: int, heads: int, dim_head: int, dropout: float, qk_norm: bool) -> None:
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.heads, self.dim_head = heads, dim_head
         inner = heads * dim_head
         self.to_qkv = nn.Linear(dim, 3 * inner, bias=False)

@@ -189,3 +189,36 @@ def test_load_run_checks_every_sizing_field_before_building(tmp_path, monkeypatc
     msg = str(e.value)  # (relu with m = 16: the layer's own refusal of the combination)
     assert "\n" not in msg and ("describe its weights" in msg or "m = dim_head" in msg), msg
     assert built == []
+
+
+# -- sizes: every public constructor refuses a bool, a float or an out-of-range size in one line ----
+
+BAD_SIZES = [
+    ("FavorFeatures", (True,), {}, "dim_head"), ("FavorFeatures", (8.0,), {}, "dim_head"),
+    ("FavorFeatures", (0,), {}, "dim_head"), ("FavorFeatures", (8, True), {}, "nb_features"),
+    ("FavorFeatures", (8, 2.5), {}, "nb_features"), ("FavorFeatures", (8, 0), {}, "nb_features"),
+    ("RotaryLinearAttention", (True,), {}, "dim"), ("RotaryLinearAttention", (32.0,), {}, "dim"),
+    ("RotaryLinearAttention", (32,), {"heads": True}, "heads"), ("RotaryLinearAttention", (32,), {"heads": 0}, "heads"),
+    ("RotaryLinearAttention", (32,), {"dim_head": 2.0}, "dim_head"),
+    ("RotaryLinearAttention", (32,), {"nb_features": True}, "nb_features"),
+    ("RotaryLinearAttention", (32,), {"dropout": True}, "dropout"),
+    ("RotaryLinearAttention", (32,), {"dropout": 1.5}, "dropout"),
+    ("RotaryLinearAttention", (32,), {"base": True}, "base"),
+    ("ModelConfig", (), {"depth": True}, "depth"), ("ModelConfig", (), {"dim": 32.0}, "dim"),
+    ("ModelConfig", (), {"heads": 0}, "heads"), ("ModelConfig", (), {"nb_features": True}, "nb_features"),
+    ("ModelConfig", (), {"dropout": 2}, "dropout"), ("ModelConfig", (), {"seq_len": -1}, "seq_len"),
+    ("ModelConfig", (), {"vocab_size": 257}, "vocab_size"), ("ModelConfig", (), {"ff_mult": 1.5}, "ff_mult"),
+    ("PerformerLM", (), {"depth": True}, "depth"), ("PerformerLM", ("tiny",), {}, "cfg"),
+]
+
+
+@pytest.mark.parametrize("name, args, kw, field", BAD_SIZES, ids=[f"{n}-{f}-{i}" for i, (n, _, _, f) in
+                                                                  enumerate(BAD_SIZES)])
+def test_a_public_constructor_refuses_a_bad_size_in_one_line_naming_it(name, args, kw, field):
+    import linear_rope
+
+    assert name in linear_rope.__all__
+    with pytest.raises((ValueError, TypeError)) as e:
+        getattr(linear_rope, name)(*args, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(field), msg
