@@ -162,6 +162,43 @@ def test_a_decoder_step_without_autocast_then_with_it_uses_the_held_weights():
     assert dec._w is not None and got.dtype == torch.bfloat16
 
 
+@torch.no_grad()
+def test_the_decoder_s_favor_and_rope_copies_follow_a_redraw_at_the_next_prefill():
+    """The FAVOR+ projections and RoPE tables are copied at ``prefill`` / ``load`` (a snapshot): a
+    redraw between two prefills is used by the second, which equals a fresh Decoder's."""
+    model = tiny(0, position="rope")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    dec = Decoder(model, 2, 20, compile=False)
+    old = dec.prefill(ids)
+    model.redraw_features(torch.Generator().manual_seed(11))
+    got = [dec.prefill(ids), dec.step(ids[:, 0])]
+    fresh = Decoder(model, 2, 20, compile=False)
+    want = [fresh.prefill(ids), fresh.step(ids[:, 0])]
+    assert (old - want[0]).abs().max() > 1e-3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_compiled_step_shared_by_two_models_of_one_shape_reads_each_one_s_weights(monkeypatch):
+    """The compiled steps are kept per (batch_size, max_len, device, dtype, config, mode): a second
+    model of that key runs the same compiled function on its own weights and state."""
+    from linear_rope import decode_step
+
+    monkeypatch.setattr(decode_step, "_STEPS", {})
+    monkeypatch.setattr(decode_step, "_COMPILED", {})
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    for seed in (0, 7):
+        model = tiny(seed, position="rope").double()
+        dec = Decoder(model, 2, 20, compile=True)
+        logits = dec.prefill(ids)
+        _, states = model(ids, output_final_state=True)
+        tok = logits.argmax(-1)
+        want, _ = model.step(tok, states, 9)
+        torch.testing.assert_close(dec.step(tok), want, rtol=1e-12, atol=1e-12)
+    assert len(decode_step._STEPS) == 1
+
+
 # -- load_run: the config against the weights before anything is built ----------------------------
 
 FIELDS = [("vocab_size", 200), ("dim", 48), ("depth", 3), ("heads", 4), ("dim_head", 16), ("nb_features", 34),
