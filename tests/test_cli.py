@@ -353,3 +353,18 @@ def test_an_empty_path_is_refused_not_taken_for_the_default(tmp_path, monkeypatc
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"is an empty path; leave {flag} out for its default" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+@pytest.mark.parametrize("module", ["linear_rope.train", "linear_rope.sample", "linear_rope.plots",
+                                    "linear_rope.export"])
+def test_help_is_plain_text(module, capsys):
+    """--help shows no reST markup (``x``, :func:`x`) from the docstrings it is made of."""
+    import importlib
+
+    if module == "linear_rope.export":
+        pytest.importorskip("transformers", reason="the hf extra (transformers)")
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "usage:" in out and "`" not in out, out

@@ -272,3 +272,16 @@ def test_paper_width_script_trains_exports_and_packs_the_results(tmp_path, small
     assert any(n.endswith("gpu_paper_width/summary.json") for n in names)
     assert any(n.endswith("logs/softmax-seed0.log") for n in names) and any(n.endswith("tables.md") for n in names)
     assert not (tmp_path / "gpu_paper_width.tar.gz.tmp").exists()
+
+
+def test_the_final_table_says_which_step_a_val_bpc_is_of(capsys, tmp_path):
+    """A run stopped by a signal at step 480 whose last evaluation was at step 250: its row says
+    so (the table printed the two side by side with nothing saying they differ)."""
+    from linear_rope.enwik8.train import _report
+
+    results = [("rope-seed0", {"step": 1000, "val_bpc": 4.08, "val_step": 1000, "test_bpc": 4.01, "stopped": None}),
+               ("none-seed0", {"step": 480, "val_bpc": 4.2, "val_step": 250, "test_bpc": None, "stopped": "SIGINT"})]
+    _report(results, tmp_path, ["--steps", "1000"], "train_enwik8.py", 1)
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].endswith(" 4.0100") and "val bpc of step" not in rows[1]
+    assert rows[2].split()[:3] == ["none-seed0", "480", "4.2000"] and rows[2].endswith("(val bpc of step 250)")

@@ -35,6 +35,10 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
 
+    def format_help(self) -> str:
+        """Plain text: the reST of the docstrings help texts come from (``x``, :func:`x`) as x."""
+        return re.sub(r"(?::\w+:)?`{1,2}([^`]+)`{1,2}", r"\1", super().format_help())
+
 
 def field_help(cls) -> dict[str, str]:
     """``{field: comment}`` from the ``name: type = default  # comment`` lines of a dataclass."""

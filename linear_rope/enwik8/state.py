@@ -22,7 +22,7 @@ class TrainState:
         self.model, self.optimizer, self.config, self.dd = model, optimizer, config, dd
         self.data_gen, self.feature_gen = data_gen, feature_gen
         self.step = 0
-        self.metrics: dict = {"val_bpc": None, "test_bpc": None}
+        self.metrics: dict = {"val_bpc": None, "val_step": None, "test_bpc": None}  # val_step: the step val_bpc is of
 
     def state_dict(self) -> dict:
         dd = self.dd
@@ -49,7 +49,7 @@ class TrainState:
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
         self.step = sd["step"]
-        self.metrics = {"val_bpc": None, "test_bpc": None, **sd.get("metrics", {})}
+        self.metrics = {"val_bpc": None, "val_step": None, "test_bpc": None, **sd.get("metrics", {})}
         torch.set_rng_state(rng["torch_ranks"][dd.rank] if dd.world > 1 else rng["torch"])
         if dd.device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda_ranks"][dd.rank] if dd.world > 1 else rng["cuda"])

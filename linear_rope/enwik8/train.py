@@ -195,7 +195,11 @@ def _report(results, out: Path, argv: list[str], prog: str, world: int) -> None:
     for name, r in results:
         val, test = (f"{v:8.4f}" if v is not None else f"{'-':>8}"
                      for v in (r["val_bpc"], r["test_bpc"]))
-        print(f"{name:<20} {r['step']:>7} {val} {test}")
+        at = r.get("val_step")
+        mark = ""
+        if r["val_bpc"] is not None and at is not None and at != r["step"]:
+            mark = f"  (val bpc of step {at})"  # stopped between evaluations
+        print(f"{name:<20} {r['step']:>7} {val} {test}{mark}")
     print(f"tensorboard --logdir {out}")
     if results and results[-1][1]["stopped"]:
         name, r = results[-1]

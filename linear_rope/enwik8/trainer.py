@@ -81,7 +81,8 @@ class Trainer:
         return True
 
     def fit(self) -> dict:
-        """Train up to ``tc.steps``; ``{"step", "val_bpc", "test_bpc", "stopped"}``, where
+        """Train up to ``tc.steps``; ``{"step", "val_bpc", "val_step", "test_bpc", "stopped"}``
+        (``val_step``: the step ``val_bpc`` is of), where
         ``stopped`` names the signal that ended the run early (it was checkpointed).
 
         A step reads nothing back from the device: its statistics are read once per logging
@@ -224,7 +225,7 @@ class Trainer:
     def _log_eval(self, last: bool) -> None:
         """The val BPC, reported; at the last step also the test BPC."""
         st, t = self.state, time.perf_counter()
-        st.metrics["val_bpc"] = self.evaluate("valid")
+        st.metrics["val_bpc"], st.metrics["val_step"] = self.evaluate("valid"), st.step
         self.log.val(st.step, st.metrics["val_bpc"], t)
         if last:
             st.metrics["test_bpc"] = self.evaluate("test")
