@@ -170,10 +170,15 @@ def check_run(mc: ModelConfig, tc: TrainConfig) -> None:
                          f"here); leave --threads out to use the idle cores")
 
 
+# ModelConfig fields added after runs were written, with the value every earlier run had.
+NEW_MODEL_FIELDS = {"causal": True, "input_pos": "none", "head_bias": False}
+
+
 def resume_diffs(old: dict, mc: ModelConfig, tc: TrainConfig) -> list[str]:
     """What differs between a run's saved config (``{"model", "train"}``, from config.json or a
     checkpoint, any version) and this one, among the fields a resume must keep."""
-    old_m, old_t = old.get("model", {}), {**asdict(TrainConfig()), **old.get("train", {})}
+    # a field added since the checkpoint was written had its default then
+    old_m, old_t = {**NEW_MODEL_FIELDS, **old.get("model", {})}, {**asdict(TrainConfig()), **old.get("train", {})}
     diffs = [f"{k}: checkpoint {old_m.get(k)!r}, now {v!r}" for k, v in asdict(mc).items()
              if old_m.get(k) != v]
     return diffs + [f"{k}: checkpoint {old_t.get(k)!r}, now {v!r}" for k, v in asdict(tc).items()
