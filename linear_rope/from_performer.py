@@ -32,7 +32,8 @@ from .attention import POSITIONS, RotaryLinearAttention
 from .model import ModelConfig, PerformerLM
 
 __all__ = ["from_performer_kwargs", "attention_from_performer_kwargs", "from_performer_pytorch", "save_converted",
-           "performer_keywords_of", "LM_KEYWORDS", "ATTENTION_KEYWORDS", "main"]
+           "performer_keywords_of", "keyword_tables", "LM_KEYWORDS", "ATTENTION_KEYWORDS", "FAST_ATTENTION_KEYWORDS",
+           "main"]
 
 # Their keyword -> (ours, or None where ours has no such thing; a note). A keyword with None is
 # refused unless it has performer-pytorch's default value.
@@ -54,7 +55,7 @@ LM_KEYWORDS: dict[str, tuple[str | None, str]] = {
                     "its the hidden layer"),
     "ff_dropout": ("dropout", "see emb_dropout"),
     "attn_dropout": ("dropout", "see emb_dropout"),
-    "rotary_position_emb": ("position", "True: position='rope_pre' with input_pos='sinusoidal' (its fixed "
+    "rotary_position_emb": ("position, input_pos", "True: position='rope_pre' with input_pos='sinusoidal' (its fixed "
                             "table); False: position='none' with input_pos='learned'. Eq. 19 is position='rope'"),
     "attn_out_bias": ("to_out.bias", "ours always has one; False: it starts at 0 (and trains)"),
     "tie_embed": (None, "ours has its own head; from_performer_pytorch copies a tied embedding into it"),
@@ -104,6 +105,20 @@ FAST_ATTENTION_KEYWORDS: dict[str, tuple[str | None, str]] = {
     "kernel_fn": (None, "used by generalized_attention only"),
     "no_projection": (None, "FAVOR+ features only"),
 }
+
+
+# The tables of docs/performer-pytorch.md, in its order.
+KEYWORD_TABLES = {"PerformerLM": LM_KEYWORDS, "SelfAttention": ATTENTION_KEYWORDS, "FastAttention": FAST_ATTENTION_KEYWORDS}
+
+
+def keyword_tables() -> str:
+    """The markdown tables of docs/performer-pytorch.md: its keyword, ours or "not supported", why."""
+    parts = []
+    for cls, table in KEYWORD_TABLES.items():
+        rows = [f"| `{name}` | {f'`{ours}`' if ours and not ours.startswith('(') else ours or 'not supported'} | {why} |"
+                for name, (ours, why) in table.items()]
+        parts.append(f"`{cls}`:\n\n| performer-pytorch | linear_rope | |\n|---|---|---|\n" + "\n".join(rows))
+    return "\n\n".join(parts) + "\n"
 
 
 def _their(cls_name: str):
