@@ -211,8 +211,8 @@ def performer_keywords_of(model) -> dict:
     """The ``PerformerLM`` keywords a performer-pytorch model was built with, read from its modules
     (those a model does not record, such as ``axial_position_shape``, as their defaults). Reads
     structure only; a reversible model is reported at once, as its layers are laid out otherwise."""
-    pp = _their("PerformerLM").__module__
-    pp = sys.modules[pp]
+    import performer_pytorch.performer_pytorch as pp
+
     if not isinstance(model, pp.PerformerLM):
         raise ValueError(f"model must be performer-pytorch's PerformerLM or its state dict, got {type(model).__name__}")
     emb, perf = model.token_emb, model.performer
