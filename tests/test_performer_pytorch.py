@@ -49,9 +49,9 @@ CASES = [pytest.param(c, r, id=f"{'causal' if c else 'bidirectional'}-{'rotary' 
 
 @pytest.mark.parametrize("causal, rotary", CASES)
 def test_converted_logits_are_its_logits(causal, rotary, monkeypatch):
-    """float64, N = 37: within 1e-10 (learned table) or 1e-5 (rotary: its float32 sinusoid tables)
-    with its eps at 0; within 5e-2 with its eps as it is, at its initialisation (measured 3e-3 to
-    1.6e-2 here; docs/performer-pytorch.md)."""
+    """float64, N = 37: within 1e-10 (learned table) or 1e-6 (rotary: its float32 sinusoid tables)
+    with its eps at 0; within 2e-2 with its eps as it is, at its initialisation (measured 7e-4 to
+    5e-3 here; docs/performer-pytorch.md)."""
     pp = theirs(causal=causal, rotary_position_emb=rotary).double()
     ours = from_performer_pytorch(pp).double()
     assert ours.cfg.position == ("rope_pre" if rotary else "none") and ours.cfg.causal == causal
@@ -59,9 +59,9 @@ def test_converted_logits_are_its_logits(causal, rotary, monkeypatch):
     ids = torch.randint(0, 256, (2, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, as_is = ours(ids), pp(ids)
-        torch.testing.assert_close(got, as_is, rtol=0, atol=5e-2)
+        torch.testing.assert_close(got, as_is, rtol=0, atol=2e-2)
         with without_eps(pp, monkeypatch):
-            torch.testing.assert_close(got, pp(ids), rtol=0, atol=1e-5 if rotary else 1e-10)
+            torch.testing.assert_close(got, pp(ids), rtol=0, atol=1e-6 if rotary else 1e-10)
 
 
 def test_a_state_dict_with_its_keywords_converts_as_the_model_does(tmp_path):
