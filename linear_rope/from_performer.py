@@ -176,9 +176,10 @@ def _config(kw: dict, position: str | None, tied: bool = False) -> ModelConfig:
         raise ValueError(f"position must be one of {POSITIONS} (where RoPE goes in the attention; its position "
                          f"table is kept as input_pos), got {position!r}")
     redraw = kw["feature_redraw_interval"] if kw["auto_check_redraw"] else None
+    dim_head = kw["dim_head"] if kw["dim_head"] is not None else kw["dim"] // kw["heads"]  # as its layers do
     return ModelConfig(
-        vocab_size=kw["num_tokens"], dim=kw["dim"], depth=kw["depth"], heads=kw["heads"], dim_head=kw["dim_head"],
-        nb_features=_nb_features(kw["nb_features"], kw["dim_head"]), seq_len=kw["max_seq_len"], position=position,
+        vocab_size=kw["num_tokens"], dim=kw["dim"], depth=kw["depth"], heads=kw["heads"], dim_head=dim_head,
+        nb_features=_nb_features(kw["nb_features"], dim_head), seq_len=kw["max_seq_len"], position=position,
         ff_mult=kw["ff_mult"], dropout=float(kw["emb_dropout"]), feature_redraw_interval=redraw or 0,
         causal=bool(kw["causal"]), input_pos="sinusoidal" if rotary else "learned", head_bias=not tied,
     )
