@@ -16,8 +16,7 @@ from linear_rope import PerformerLM, from_performer_kwargs, from_performer_pytor
 from linear_rope import from_performer as conv
 from linear_rope.enwik8 import train
 from linear_rope.enwik8.checkpoint import latest_checkpoint, load_checkpoint
-from linear_rope.enwik8.config import resume_diffs
-from linear_rope.enwik8.config import TrainConfig
+from linear_rope.enwik8.config import TrainConfig, resume_diffs
 from linear_rope.model import ModelConfig
 
 P = pytest.importorskip("performer_pytorch.performer_pytorch")
@@ -146,6 +145,7 @@ def test_its_models_that_cannot_cross_are_refused_before_anything_is_built(kw, m
 
 
 def test_its_keywords_build_ours():
+    """Each keyword where LM_KEYWORDS says it goes."""
     lm = from_performer_kwargs(**SMALL, causal=True, nb_features=32, feature_redraw_interval=None, ff_mult=2,
                                emb_dropout=0.1, ff_dropout=0.1, attn_dropout=0.1, ff_chunks=4, attn_out_bias=True)
     assert isinstance(lm, PerformerLM)
@@ -243,3 +243,13 @@ def test_init_from_a_bidirectional_model_needs_causal(tmp_path, corpus):
     code, err = run(["--preset", "tiny", "--variants", "rope", "--init-from", str(tmp_path / "conv"), "--data",
                      str(corpus), "--out", str(tmp_path / "runs"), "--steps", "1"])
     assert code == 2 and "causal False: a bidirectional model sees the byte it is trained to predict" in err
+
+
+def test_a_bidirectional_model_is_no_hugging_face_causal_lm():
+    hf = pytest.importorskip("linear_rope.hf")
+    with pytest.raises(ValueError, match="^causal must be True for a causal LM"):
+        hf.LinearRopeConfig(causal=False)
+
+
+def test_dim_head_none_is_dim_over_heads_as_there():
+    assert from_performer_kwargs(**{**SMALL, "dim_head": None}).cfg.dim_head == 16
