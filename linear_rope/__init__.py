@@ -4,6 +4,7 @@ import torch
 
 from .attention import RotaryLinearAttention
 from .features import FavorFeatures
+from .from_performer import from_performer_kwargs, from_performer_pytorch
 from .model import ModelConfig, PerformerLM
 from .ops import (
     LinearAttentionState,
@@ -45,5 +46,7 @@ __all__ = [
     "PerformerLM",
     "ModelConfig",
     "load_run",
+    "from_performer_kwargs",
+    "from_performer_pytorch",
 ]
 __version__ = "0.2.0"

@@ -121,6 +121,9 @@ class Decoder:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be True, False or None, got {compile!r}")
         cfg = model.cfg
+        if not cfg.causal:
+            raise ValueError("a bidirectional model (causal=False) cannot decode token by token: each of its "
+                             "outputs reads the tokens after it")
         self.model, self.cfg, self.B, self.max_len = model, cfg, batch_size, max_len
         p = model.head.weight
         self.device, self.dtype = p.device, table_dtype(p.dtype)  # states and tables: float32 or wider

@@ -8,6 +8,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import RotaryLinearAttention
@@ -20,11 +21,15 @@ from .ops.utils import check_mask
 from .rotary import check_offset, token_positions
 from .softmax_attention import SoftmaxAttention
 
-__all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS"]
+__all__ = ["ModelConfig", "PerformerLM", "MODEL_PRESETS", "LM_POSITIONS", "INPUT_POSITIONS", "SinusoidalTable"]
 
 # The ablation's variants: where position information enters the model. ``softmax`` is the
 # anchor: exact causal softmax attention with RoPE on q and k (``SoftmaxAttention``).
 LM_POSITIONS = ("rope", "rope_pre", "rope_norm", "absolute", "none", "softmax")
+# ModelConfig.input_pos: a position table added to the token embeddings whatever ``position`` is.
+# ``learned`` is the ``absolute`` variant's table; ``sinusoidal`` is performer-pytorch's fixed table
+# of its rotary mode (a buffer: not trained).
+INPUT_POSITIONS = ("none", "learned", "sinusoidal")
 
 
 @dataclass
@@ -35,7 +40,7 @@ class ModelConfig:
     heads: int = 12  # attention heads
     dim_head: int = 64  # per-head dim d
     nb_features: int | None = 266  # FAVOR+ features m (None: int(d ln d), even)
-    seq_len: int = 1024  # training context; also the size of the `absolute` table
+    seq_len: int = 1024  # training context; also the size of the position tables (`absolute`, input_pos)
     position: str = "rope"  # rope (Eq. 19) | rope_pre | rope_norm | absolute | none | softmax
     feature_map: str = "favor"  # favor | elu | relu
     ff_mult: int = 4  # feed-forward hidden = ff_mult * dim
@@ -43,6 +48,9 @@ class ModelConfig:
     rope_base: float = 10000.0  # RoPE base
     feature_redraw_interval: int = 1000  # training steps between FAVOR+ redraws (0: never)
     qk_norm: bool = False  # q and k at unit norm times a learned per-head scale (see qk_norm.py)
+    causal: bool = True  # autoregressive; False: bidirectional (performer-pytorch's default), no next-byte training or decoding
+    input_pos: str = "none"  # a table added to the token embeddings as well: none | learned | sinusoidal (fixed)
+    head_bias: bool = False  # a bias on the output head (performer-pytorch's head has one)
 
     def __post_init__(self):
         check_field_types(self)
@@ -52,6 +60,15 @@ class ModelConfig:
             raise ValueError(f"position must be one of {LM_POSITIONS}, got {self.position!r}")
         if self.feature_map not in FEATURE_KINDS:
             raise ValueError(f"feature_map must be one of {FEATURE_KINDS}, got {self.feature_map!r}")
+        if self.input_pos not in INPUT_POSITIONS:
+            raise ValueError(f"input_pos must be one of {INPUT_POSITIONS}, got {self.input_pos!r}")
+        if self.input_pos != "none" and self.position == "absolute":
+            raise ValueError(f"input_pos: position 'absolute' adds its own learned table, so input_pos must be "
+                             f"'none', got {self.input_pos!r} (position 'none' with input_pos 'learned' is the same)")
+        if self.input_pos == "sinusoidal" and self.dim % 2:
+            raise ValueError(f"dim: the sinusoidal table holds sin and cos pairs, so dim must be even, got {self.dim}")
+        if not self.causal and self.position == "softmax":
+            raise ValueError("causal: the softmax anchor is causal only, got causal=False")
         for f in ("vocab_size", "dim", "depth", "heads", "dim_head", "seq_len", "ff_mult"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
@@ -125,6 +142,23 @@ class FeedForward(nn.Sequential):
         super().__init__(nn.Linear(dim, mult * dim), nn.GELU(), nn.Linear(mult * dim, dim), nn.Dropout(dropout))
 
 
+class SinusoidalTable(nn.Module):
+    """A fixed position table `[n, dim]`, read as an ``nn.Embedding`` is: row p is
+    ``(sin(p theta_0), .., sin(p theta_(dim/2-1)), cos(p theta_0), .., cos(p theta_(dim/2-1)))`` with
+    ``theta_i = 10000 ** (-2i / dim)``, computed in float32 as performer-pytorch's
+    ``FixedPositionalEmbedding`` computes it. A buffer, so it is saved but never trained."""
+
+    def __init__(self, n: int, dim: int):
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        angles = torch.einsum("i,j->ij", torch.arange(0, n, dtype=torch.float), inv_freq)
+        self.register_buffer("weight", torch.cat((angles.sin(), angles.cos()), dim=-1))
+        self.num_embeddings = n
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight)
+
+
 class Block(nn.Module):
     """Pre-LN: x + attn(ln(x)), then x + ff(ln(x))."""
 
@@ -141,7 +175,7 @@ class Block(nn.Module):
         else:
             self.attn = RotaryLinearAttention(
                 cfg.dim, heads=cfg.heads, dim_head=cfg.dim_head, nb_features=cfg.nb_features,
-                causal=True, position=attn_position, feature_map=cfg.feature_map, dropout=cfg.dropout,
+                causal=cfg.causal, position=attn_position, feature_map=cfg.feature_map, dropout=cfg.dropout,
                 base=cfg.rope_base, qk_norm=cfg.qk_norm,
             )
         self.ln2 = nn.LayerNorm(cfg.dim)
@@ -178,15 +212,17 @@ class PerformerLM(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.ln_f = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=cfg.head_bias)
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2 scaled init of residual projections
             if name.endswith(("attn.to_out.weight", "ff.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / (2 * cfg.depth) ** 0.5)
         self.pos_emb = None
-        if cfg.position == "absolute":
+        if cfg.position == "absolute" or cfg.input_pos == "learned":
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
             nn.init.normal_(self.pos_emb.weight, mean=0.0, std=0.02)
+        elif cfg.input_pos == "sinusoidal":
+            self.pos_emb = SinusoidalTable(cfg.seq_len, cfg.dim)
 
     @staticmethod
     def _init(m: nn.Module):
@@ -308,7 +344,7 @@ class PerformerLM(nn.Module):
             raise ValueError(f"states: one state per layer is needed ({len(self.blocks)}), got {got}")
         position = check_offset(position, "position", rows=token.shape[0])
         pos = None
-        if self.pos_emb is not None:  # only the absolute table reads positions here
+        if self.pos_emb is not None:  # only an input table (absolute, input_pos) reads positions here
             pos = position.view(-1, 1) if isinstance(position, torch.Tensor) else torch.full((1, 1), position)
             pos = pos.to(token.device)
         x = self._embed(token.long()[:, None], pos)[:, 0]

@@ -22,7 +22,7 @@ from .config import MAX_SEQ_LEN, TRAIN_PRESETS, TrainConfig, check_model, check_
 DESCRIPTION = ("Train the Enwik8 ablation: PerformerLM variants x seeds, with TensorBoard, "
                "checkpoints and DDP.")
 
-__all__ = ["OneLineParser", "build_parser", "parse_runs", "configs_from_args", "check_device"]
+__all__ = ["OneLineParser", "build_parser", "parse_runs", "configs_from_args", "check_device", "initial_model_config"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -155,13 +155,14 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
     except ValueError:
         raise ValueError(f"--seeds must be a comma list of integers, got {args.seeds!r}") from None
     given = vars(args)  # only the flags on the command line (the others are SUPPRESSed)
-    model_kw = {**MODEL_PRESETS[args.preset],
-                **{f.name: given[f.name] for f in fields(ModelConfig) if f.name in given}}
+    init = given.get("init_from")  # the model config is the checkpoint's, the flags given override it
+    base = initial_model_config(init) if init else MODEL_PRESETS[args.preset]
+    model_kw = {**base, **{f.name: given[f.name] for f in fields(ModelConfig) if f.name in given}}
     train_kw = {**TRAIN_PRESETS[args.preset],
                 **{f.name: given[f.name] for f in fields(TrainConfig) if f.name in given}}
     if train_kw.get("out") is None:
         train_kw["out"] = f"runs/{args.preset}"
-    if model_kw["seq_len"] > MAX_SEQ_LEN[args.preset]:
+    if not init and model_kw["seq_len"] > MAX_SEQ_LEN[args.preset]:
         raise ValueError(f"seq_len {model_kw['seq_len']} is above the {args.preset} preset's maximum "
                          f"{MAX_SEQ_LEN[args.preset]} (16x its training length); use a larger preset")
     if args.resume and args.overwrite:
@@ -173,6 +174,18 @@ def configs_from_args(args) -> list[tuple[str, ModelConfig, TrainConfig]]:
     for v in variants:  # the library's own checks (feature map vs nb_features, ...), once a variant
         check_model(next(mc for _, mc, _ in runs if mc.position == v))
     return runs
+
+
+def initial_model_config(path) -> dict:
+    """The model config of ``--init-from``'s checkpoint (a file, or a run folder's newest), read
+    with ``torch.load(weights_only=True)`` and checked against its content digest."""
+    from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+
+    ckpt = load_checkpoint(resolve_checkpoint(path))
+    cfg = ckpt["config"].get("model") if isinstance(ckpt["config"], dict) else None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"--init-from {path}: the checkpoint holds no model config")
+    return {k: v for k, v in cfg.items() if k != "position"}
 
 
 def parse_runs(parser: argparse.ArgumentParser, argv: list[str]):

@@ -60,6 +60,7 @@ class TrainConfig:
     threads: int | None = None  # torch CPU threads (None: the idle cores at start, see runtime.py)
     deterministic: bool = False  # torch.use_deterministic_algorithms (bitwise-repeatable runs)
     on_nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm is never applied; stop ends the run at the next logging interval (or checkpoint) at the latest, skip goes on (20 in a row stop it)
+    init_from: str | None = None  # start from this checkpoint's (or run folder's newest) weights and model config (flags and --variants override), then train from step 0 with a new optimizer
 
     def __post_init__(self):
         check_field_types(self)  # a bool is not a number; every float is finite
@@ -89,7 +90,7 @@ class TrainConfig:
         for f in ("decay_steps", "threads"):
             if getattr(self, f) is not None and getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1 or None, got {getattr(self, f)}")
-        for f in ("data", "data_dir", "out"):  # "--out $OUT" with OUT unset: not the default folder
+        for f in ("data", "data_dir", "out", "init_from"):  # "--out $OUT" with OUT unset: not the default folder
             if getattr(self, f) is not None and not getattr(self, f).strip():
                 raise ValueError(f"{f} is an empty path; leave --{f.replace('_', '-')} out for its default")
 
@@ -164,16 +165,24 @@ def check_run(mc: ModelConfig, tc: TrainConfig) -> None:
     if step > MAX_STEP_TOKENS:
         raise ValueError(f"batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x seq_len {mc.seq_len} = {step:,} "
                          f"tokens per step is above the sanity cap of {MAX_STEP_TOKENS:,}")
+    if not mc.causal:
+        raise ValueError("causal False: a bidirectional model sees the byte it is trained to predict; pass "
+                         "--causal (its weights are kept)")
     cores = os.cpu_count() or 1
     if tc.threads is not None and tc.threads > MAX_THREADS_PER_CORE * cores:
         raise ValueError(f"threads {tc.threads} is more than {MAX_THREADS_PER_CORE} per CPU core ({cores} cores "
                          f"here); leave --threads out to use the idle cores")
 
 
+# ModelConfig fields added after runs were written, with the value every earlier run had.
+NEW_MODEL_FIELDS = {"causal": True, "input_pos": "none", "head_bias": False}
+
+
 def resume_diffs(old: dict, mc: ModelConfig, tc: TrainConfig) -> list[str]:
     """What differs between a run's saved config (``{"model", "train"}``, from config.json or a
     checkpoint, any version) and this one, among the fields a resume must keep."""
-    old_m, old_t = old.get("model", {}), {**asdict(TrainConfig()), **old.get("train", {})}
+    # a field added since the checkpoint was written had its default then
+    old_m, old_t = {**NEW_MODEL_FIELDS, **old.get("model", {})}, {**asdict(TrainConfig()), **old.get("train", {})}
     diffs = [f"{k}: checkpoint {old_m.get(k)!r}, now {v!r}" for k, v in asdict(mc).items()
              if old_m.get(k) != v]
     return diffs + [f"{k}: checkpoint {old_t.get(k)!r}, now {v!r}" for k, v in asdict(tc).items()

@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, previous_checkpoint, verify_params
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, nonfinite, previous_checkpoint,
+                         resolve_checkpoint, verify_params)
 from .config import ConfigError, resume_diffs
 
-__all__ = ["checked_checkpoint"]
+__all__ = ["checked_checkpoint", "load_initial_weights"]
 
 
 def checked_checkpoint(run_dir: Path, name: str, mc, tc, model, corpus: dict, world: int, lead: bool) -> dict | None:
@@ -68,3 +69,31 @@ def _check_corpus(old: dict, now: dict, data, path: Path, name: str, lead: bool)
     if lead:
         print(f"{name}: note: {path.name} predates corpus digests; the corpus was checked by its "
               f"path, and its sha256 is recorded from now on", file=sys.stderr)
+
+
+def load_initial_weights(path, model) -> None:
+    """``--init-from``: ``model`` takes the weights of the checkpoint at ``path`` (a file, or a run
+    folder's newest), checked by its digests and finite; a one-line ConfigError unless every
+    weight has the name and shape the model has. The FAVOR+ projections of a checkpoint go where
+    the model has them (the ``softmax`` anchor has none); nothing else is dropped or added."""
+    try:
+        path = resolve_checkpoint(path)
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        raise ConfigError(f"--init-from: {e}") from None
+    own = model.state_dict()
+    sd = {k: v for k, v in ckpt["model"].items() if k in own or not k.endswith("features.projection")}
+    bad = [f"{k} missing" for k in own if k not in sd] + [f"{k} unexpected" for k in sd if k not in own]
+    bad += [f"{k} is {list(v.shape)}, the model's {list(own[k].shape)}" for k, v in sd.items()
+            if k in own and v.shape != own[k].shape]
+    if bad:
+        raise ConfigError(f"--init-from {path}: its weights do not fit this model ({'; '.join(bad[:3])}"
+                          f"{f'; {len(bad) - 3} more' if len(bad) > 3 else ''})")
+    try:
+        verify_params(ckpt, model, path)
+    except CheckpointError as e:
+        raise ConfigError(f"--init-from: {e}") from None
+    bad = nonfinite({"model": sd})
+    if bad:
+        raise ConfigError(f"--init-from {path}: it holds {bad}")
+    model.load_state_dict(sd)

@@ -32,7 +32,7 @@ from .checkpoint import nonfinite, save_checkpoint
 from .config import ConfigError, TrainConfig, lr_at
 from .ledger import MAX_SKIPS_IN_A_ROW, NONFINITE_FILE, NonFiniteError, StepLedger
 from .metrics import RunLog
-from .resume import checked_checkpoint
+from .resume import checked_checkpoint, load_initial_weights
 from .runtime import Dist, StopSignals
 from .state import TrainState
 from .step import (FEATURE_SEED_OFFSET, attention_path, autocast, build_run, compile_blocks, compile_unavailable, evaluate,
@@ -56,6 +56,8 @@ class Trainer:
             model, data_gen, feature_gen = build_run(mc, tc.seed)
         except ValueError as e:
             raise ConfigError(f"{name}: {e}") from e
+        if tc.init_from:  # the checkpoint's weights (and projections), then a fresh run from step 0
+            load_initial_weights(tc.init_from, model)
         if dd.rank:  # rank 0 keeps the seed's stream; the others draw their own dropout masks
             torch.manual_seed(tc.seed * 1000 + FEATURE_SEED_OFFSET * dd.rank)
         self.model = self.net = model.to(dd.device)

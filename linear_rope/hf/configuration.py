@@ -50,6 +50,8 @@ def check_model_fields(values: dict, given: dict[str, str] | None = None) -> Mod
     """``ModelConfig(**values)``; its TypeError or ValueError as a ConfigFieldError naming the field
     as given (``given``: field -> the name it arrived under, e.g. ``dim`` -> ``hidden_size``)."""
     try:
+        if values.get("causal") is False:  # a bidirectional model reads the tokens after each output
+            raise ValueError("causal must be True for a causal LM (a bidirectional model cannot generate), got False")
         return ModelConfig(**values)
     except (TypeError, ValueError) as e:
         msg = " ".join(str(e).split())

@@ -29,7 +29,7 @@ PREFIX = "model."  # LinearRopeForCausalLM.base_model_prefix
 _LOADING = contextvars.ContextVar("linear_rope_hf_loading", default=None)
 # the fields that size or select weights: a default of these the weights contradict is named as such
 SIZING = ("vocab_size", "dim", "depth", "heads", "dim_head", "nb_features", "seq_len", "position", "feature_map",
-          "ff_mult", "qk_norm")
+          "ff_mult", "qk_norm", "input_pos", "head_bias")
 
 
 def _weight_files(folder: Path, variant: str | None, use_safetensors: bool | None) -> list[Path]:
