@@ -202,7 +202,8 @@ def test_a_compiled_step_shared_by_two_models_of_one_shape_reads_each_one_s_weig
 # -- load_run: the config against the weights before anything is built ----------------------------
 
 FIELDS = [("vocab_size", 200), ("dim", 48), ("depth", 3), ("heads", 4), ("dim_head", 16), ("nb_features", 34),
-          ("seq_len", 2**24), ("position", "rope"), ("feature_map", "relu"), ("ff_mult", 2), ("qk_norm", True)]
+          ("seq_len", 2**24), ("position", "rope"), ("feature_map", "relu"), ("ff_mult", 2), ("qk_norm", True),
+          ("head_bias", True), ("input_pos", "learned")]
 
 
 @pytest.mark.parametrize("field, value", FIELDS, ids=[f for f, _ in FIELDS])
@@ -214,7 +215,7 @@ def test_load_run_checks_every_sizing_field_before_building(tmp_path, monkeypatc
     from linear_rope.enwik8.checkpoint import save_checkpoint
     from linear_rope.enwik8.runtime import param_digest
 
-    model = tiny(0, position="absolute", seq_len=32)
+    model = tiny(0, position="absolute" if field != "input_pos" else "none", seq_len=32)
     cfg = {**asdict(model.cfg), field: value}
     payload = {"model": model.state_dict(), "step": 3, "config": {"model": cfg, "train": {}},
                "param_sha256": param_digest(model)}
