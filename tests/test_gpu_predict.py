@@ -46,8 +46,9 @@ def quick(tmp_path_factory):
     return json.loads(out.read_text()), proc.stdout
 
 
-def _run(doc, variant, depth, N=64):
-    return next(r for r in doc["runs"] if r["variant"] == variant and r["depth"] == depth and r["N"] == N)
+def _run(doc, variant, depth, N=64, backend="parallel"):
+    return next(r for r in doc["runs"] if r["variant"] == variant and r["depth"] == depth and r["N"] == N
+                and r.get("backend", "parallel") == backend)
 
 
 def test_kernels_are_listed_with_their_bytes(quick):
@@ -134,9 +135,10 @@ def test_committed_json_is_consistent():
     by today's rules (no triton needed to check it)."""
     doc = json.loads((ROOT / "benchmarks/results/gpu_predict.json").read_text())
     assert doc["preset"] == "paper" and doc["rules"] == gp.RULES
-    assert {(r["variant"], r["N"]) for r in doc["rows"]} == {(v, n) for v in gp.VARIANTS for n in gp.LENGTHS}
+    assert {(r["variant"], r["N"], r["backend"]) for r in doc["rows"]} == \
+        {(v, n, "parallel") for v in gp.VARIANTS for n in gp.LENGTHS} | {("rope", n, "fused") for n in (1024, 4096, 16384)}
     for row in doc["rows"]:
-        s1, s2 = (_run(doc, row["variant"], depth, row["N"]) for depth in (1, 2))
+        s1, s2 = (_run(doc, row["variant"], depth, row["N"], row["backend"]) for depth in (1, 2))
         for s in (s1, s2):
             ks = [k for g in s["graphs"] for k in g["kernels"]]
             assert s["bytes"] == sum(k["bytes"] for k in ks) and s["kernels"] == len(ks)
