@@ -76,6 +76,9 @@ RULES = {
     "own_fused_kernel": "bytes: pricing.OWN_KERNEL_BYTES (unique; re-reads shown, not priced); FLOPs: "
                         "pricing.OWN_KERNEL_FLOPS (as executed) at gemm_odd_efficiency; max(bytes, FLOPs) time "
                         "/ fill, fill = programs / (waves x 132 SMs), one program a SM",
+    # shown beside each fused kernel, never priced: its re-read bytes at an assumed L2 bandwidth
+    # (about 2x HBM); a kernel whose re-reads take longer than its priced time is L2-bound
+    "l2_check_bytes_s": 5.5e12,
 }
 # kernel function name -> FLOPs from its tensor arguments' shapes (a list of lists), for
 # RULES["own_kernel"]; a user kernel without an entry is an error (never 0 FLOPs). The fused
@@ -155,6 +158,7 @@ def _fused_kernel(name: str, shapes, k: dict) -> dict:
         entry = pricing.price(op, pricing.Shape(B, H, N, d, m, v[-1]))
     except KeyError as e:
         raise RuntimeError(str(e.args[0])) from None
+    entry["reread_l2_us"] = round(1e6 * entry["reread_bytes"] / RULES["l2_check_bytes_s"], 3)
     return dict(k, name=op, kind="own", **entry)
 
 
@@ -347,31 +351,38 @@ def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=p
 
 
 def design_sweep(res: dict, devices) -> list[dict]:
-    """The fused rows again with each design of ``pricing.ALTERNATIVES`` (C, BM, BE): the same
-    compiled step, its own kernels re-priced by the formulas (the rest unchanged; the saved
-    bytes are the compiled design's). Per design and N: step bytes and ms, and the ratios to
-    softmax's row of the same N (tokens/s, bytes)."""
-    from linear_rope.ops.fused import pricing
+    """The fused rows again with each design of ``pricing.ALTERNATIVES`` (C, BM, BE, tables,
+    query max): the same compiled step, its own kernels re-priced by the formulas (the rest
+    unchanged; the saved bytes are the compiled design's). Per design and N: step bytes and ms,
+    the ratios to softmax's row of the same N (tokens/s, bytes), and per layer the fused
+    kernels' priced time and their re-reads at RULES["l2_check_bytes_s"] (not priced)."""
     from linear_rope.model import MODEL_PRESETS, ModelConfig
+    from linear_rope.ops.fused import pricing
     soft = {r["N"]: r for r in res["rows"] if r["variant"] == "softmax"}
     out = []
     for row in (r for r in res["rows"] if r.get("backend") == "fused"):
         runs = [r for r in res["runs"] if r.get("backend") == "fused" and r["variant"] == row["variant"]
                 and r["N"] == row["N"]]
         s1, s2 = (next(r for r in runs if r["depth"] == dp) for dp in (1, 2))
-        for C, BM, BE in pricing.ALTERNATIVES:
-            again = []
+        cfg = ModelConfig(**{**MODEL_PRESETS["paper"], "position": row["variant"], "depth": row["layers"]})
+        for alt in pricing.ALTERNATIVES:
+            design = {**pricing.DESIGN, **alt}
+            again, layer = [], {}
             for s in (s1, s2):
                 s = dict(s, us=dict(s["us"]))
                 for k in (k for g in s["graphs"] for k in g["kernels"] if k["kind"] == "own"):
-                    new = dict(k, **pricing.reprice(k["name"], k["shape"], C, BM, BE))
+                    new = dict(k, **pricing.reprice(k["name"], k["shape"], **design))
                     s["bytes"] += new["bytes"] - k["bytes"]
                     for d in devices:
                         s["us"][d] += price_us(new, d) - k["us"][d]
+                    if not again:  # depth 1: one layer's four kernels
+                        layer[new["name"]] = new
                 again.append(s)
-            cfg = ModelConfig(**{**MODEL_PRESETS["paper"], "position": row["variant"], "depth": row["layers"]})
             r = make_row(row["variant"], row["N"], row["B"], *again, cfg, devices, row["params"])
-            item = {"C": C, "BM": BM, "BE": BE, "N": row["N"], "step_bytes": r["step_bytes"]}
+            item = {**design, "N": row["N"], "step_bytes": r["step_bytes"],
+                    "kernels_us_h100": {n: round(price_us(k, "h100"), 1) for n, k in layer.items()},
+                    "kernels_reread_l2_us": {n: round(1e6 * k["reread_bytes"] / RULES["l2_check_bytes_s"], 1)
+                                             for n, k in layer.items()}}
             sm = soft.get(row["N"])
             for d in devices:
                 item[d] = {"step_ms": r[d]["step_ms"], "tokens_s": r[d]["tokens_s"]}

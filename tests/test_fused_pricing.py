@@ -116,8 +116,7 @@ def test_fused_row_lists_the_fused_kernels(tmp_path):
         assert [k["name"] for k in parts["forward"]] == ["fused_fwd_states", "fused_fwd_output"] * r["depth"]
         assert [k["name"] for k in parts["backward"]] == ["fused_bwd_dstates", "fused_bwd_dqkv"] * r["depth"]
         for k in parts["forward"] + parts["backward"]:
-            assert k == {**k, **pricing.reprice(k["name"], k["shape"], pricing.DESIGN["C"], pricing.DESIGN["BM"],
-                                                 pricing.DESIGN["BE"])}
+            assert k == {**k, **pricing.reprice(k["name"], k["shape"], **pricing.DESIGN)}
             assert 0 < k["fill"] <= 1 and k["us"]["h100"] == pytest.approx(gp.price_us(k, "h100"), abs=1e-3)
         # no chunk-parallel path left: none of its feature GEMMs (bmm with fp32 output)
         assert not any("bmm" in k["name"] for g in r["graphs"] for k in g["kernels"])

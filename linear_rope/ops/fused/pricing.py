@@ -39,7 +39,7 @@ __all__ = ["DESIGN", "KERNELS", "OWN_KERNEL_BYTES", "OWN_KERNEL_FLOPS", "OWN_KER
 SMS = 132  # H100 SXM / H200: one program a SM at a time (the tiles fill its registers)
 # The design priced (C: tokens a chunk; BM: features a block; BE: value columns a block): the one
 # docs/gpu.md recommends after trying others (``alternatives``)
-DESIGN = {"C": 64, "BM": 64, "BE": 64}
+DESIGN = {"C": 64, "BM": 64, "BE": 64, "tables": "hbm", "query_max": "two_pass"}
 KERNELS = ("fused_fwd_states", "fused_fwd_output", "fused_bwd_dstates", "fused_bwd_dqkv")
 
 
@@ -63,6 +63,12 @@ class Shape:
     BE: int = DESIGN["BE"]
     itemsize: int = 2
     final_state: bool = False
+    # RoPE's cos / sin: "hbm", read from [N, m] fp32 tables (re-read by every program); "chip",
+    # made from the positions on chip (no table bytes; sin / cos beside the exp)
+    tables: str = DESIGN["tables"]
+    # the query features' row max: "two_pass" (pass 1 recomputes q @ w over every feature block),
+    # "online" (one pass, the row's partial sums rescaled when its max grows, as flash attention does)
+    query_max: str = DESIGN["query_max"]
 
     @property
     def BH(self) -> int:
@@ -102,8 +108,12 @@ class Shape:
         return 2 * self.m * self.d * 2
 
     @property
-    def tables(self) -> int:  # RoPE's cos and sin [N, m] fp32 (shared by the heads)
-        return 2 * self.N * self.m * 4
+    def tab(self) -> int:  # RoPE's cos and sin [N, m] fp32 (shared by the heads), when read from HBM
+        return 2 * self.N * self.m * 4 if self.tables == "hbm" else 0
+
+    @property
+    def passes(self) -> int:  # passes over the feature blocks for the query row max (K2)
+        return 2 if self.query_max == "two_pass" else 1
 
     @property
     def states(self) -> int:  # S (or dS) before every chunk [BH, nc, m, e]
@@ -121,9 +131,9 @@ class Shape:
 def _k1_bytes(s: Shape):
     progs = s.BH * s.nm * s.ne
     final = s.BH * s.m * (s.e * 4 + 4) if s.final_state else 0
-    unique = s.qk + s.ve + s.w + s.tables + s.states + s.zs + final
+    unique = s.qk + s.ve + s.w + s.tab + s.states + s.zs + final
     reread = ((s.nm * s.ne - 1) * s.qk + (s.nm - 1) * s.ve  # k by every (m, e) block, v by every m block
-              + (s.BH * s.ne - 1) * s.tables + (progs - 1) * s.w)  # tables, w: a slice a program
+              + (s.BH * s.ne - 1) * s.tab + (progs - 1) * s.w)  # tables, w: a slice a program
     return unique, reread
 
 
@@ -134,15 +144,15 @@ def _k1_flops(s: Shape) -> int:
 
 def _k2_bytes(s: Shape):
     progs = s.nc * s.BH * s.ne
-    unique = 2 * s.qk + 2 * s.ve + s.states + s.zs + s.w + s.tables + 2 * s.row  # q k v S z w tables | out den rowmax
-    reread = ((s.ne - 1) * (2 * s.qk + s.zs) + (s.BH * s.ne - 1) * s.tables
-              + (2 * progs - 1) * s.w)  # w twice a program: the two passes over the feature blocks
+    unique = 2 * s.qk + 2 * s.ve + s.states + s.zs + s.w + s.tab + 2 * s.row  # q k v S z w tables | out den rowmax
+    reread = ((s.ne - 1) * (2 * s.qk + s.zs) + (s.BH * s.ne - 1) * s.tab
+              + (s.passes * progs - 1) * s.w)  # w once a pass over the feature blocks, a program
     return unique, reread
 
 
 def _k2_flops(s: Shape) -> int:
     C, mp, e = s.C, s.mp, s.e
-    feats = 3 * s.feat  # q (pass 1, for the row max), q again (pass 2), the chunk's keys
+    feats = (s.passes + 1) * s.feat  # q (pass 1, for the row max), q again (pass 2), the chunk's keys
     per_chunk = (s.ne * feats + 2 * C * mp * e  # rq @ S
                  + s.ne * 2 * (2 * C * C * mp)  # rq @ rk^T and fq @ fk^T, full [C, C] tiles
                  + 2 * C * C * e + s.ne * 2 * C * mp)  # tril(A) @ v; fq @ z
@@ -151,9 +161,9 @@ def _k2_flops(s: Shape) -> int:
 
 def _b1_bytes(s: Shape):
     progs = s.BH * s.nm * s.ne
-    unique = s.qk + 2 * s.ve + 3 * s.row + s.w + s.tables + s.states + s.zs  # q dout out den rowmax delta w tables | dS dz
+    unique = s.qk + 2 * s.ve + 3 * s.row + s.w + s.tab + s.states + s.zs  # q dout out den rowmax delta w tables | dS dz
     reread = ((s.nm * s.ne - 1) * (s.qk + 2 * s.row) + (s.nm * s.ne - 1) * 2 * s.ve
-              + (s.BH * s.ne - 1) * s.tables + (progs - 1) * s.w)
+              + (s.BH * s.ne - 1) * s.tab + (progs - 1) * s.w)
     return unique, reread
 
 
@@ -163,9 +173,9 @@ def _b1_flops(s: Shape) -> int:
 
 
 def _b2_bytes(s: Shape):
-    unique = (3 * s.qk + 2 * s.ve + 3 * s.row + 2 * s.states + 2 * s.zs + s.w + s.tables  # q k v dout den rowmax delta S dS z dz
+    unique = (3 * s.qk + 2 * s.ve + 3 * s.row + 2 * s.states + 2 * s.zs + s.w + s.tab  # q k v dout den rowmax delta S dS z dz
               + 2 * s.qk + s.ve)  # | dq dk dv
-    reread = (s.BH - 1) * s.tables + (s.nc * s.BH - 1) * s.w
+    reread = (s.BH - 1) * s.tab + (s.nc * s.BH - 1) * s.w
     return unique, reread
 
 
@@ -213,14 +223,18 @@ def price(name: str, s: Shape) -> dict:
     waves, f = fill(programs)
     return {"bytes": int(unique), "reread_bytes": int(reread), "flops": int(OWN_KERNEL_FLOPS[name](s)),
             "programs": programs, "waves": waves, "fill": round(f, 4),
-            "shape": [s.B, s.H, s.N, s.d, s.m, s.e], "design": {"C": s.C, "BM": s.BM, "BE": s.BE, "mp": s.mp}}
+            "shape": [s.B, s.H, s.N, s.d, s.m, s.e],
+            "design": {"C": s.C, "BM": s.BM, "BE": s.BE, "mp": s.mp, "tables": s.tables, "query_max": s.query_max}}
 
 
-# the designs ``benchmarks.gpu_predict --backend fused`` also prices (C, BM, BE): docs/gpu.md's table
-ALTERNATIVES = ((64, 64, 64), (128, 64, 64), (32, 64, 64), (64, 32, 64), (64, 128, 64), (128, 32, 64),
-                (128, 128, 64), (64, 64, 32), (64, 16, 64))
+# the designs ``benchmarks.gpu_predict --backend fused`` also prices (Shape fields other than
+# DESIGN's; {} is DESIGN itself): docs/gpu.md's table
+ALTERNATIVES = ({}, {"C": 128}, {"C": 32}, {"BM": 32}, {"BM": 128}, {"C": 128, "BM": 32}, {"C": 128, "BM": 128},
+                {"BE": 32}, {"BM": 16}, {"tables": "chip"}, {"query_max": "online"},
+                {"tables": "chip", "query_max": "online"}, {"BM": 32, "tables": "chip", "query_max": "online"})
 
 
-def reprice(name: str, shape, C: int, BM: int, BE: int) -> dict:
-    """``price`` of kernel ``name`` at ``shape`` ([B, H, N, d, m, e]) with another design."""
-    return price(name, replace(Shape(*shape), C=C, BM=BM, BE=BE))
+def reprice(name: str, shape, **design) -> dict:
+    """``price`` of kernel ``name`` at ``shape`` ([B, H, N, d, m, e]) with another design
+    (Shape's C, BM, BE, tables, query_max)."""
+    return price(name, replace(Shape(*shape), **design))
