@@ -315,7 +315,8 @@ def _compile_train_as(backend: str, variant: str, N: int, B: int, depth: int, qu
     return graphs
 
 
-def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=print, backend: str = "parallel") -> dict:
+def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=print,
+            backend: str = "parallel") -> dict:
     """Compile and price every (variant, N) at depth 1 and 2, and the decoder's step. With
     ``backend="fused"`` the rope variant's attention core is the fused kernels' (priced by their
     formulas); the variants without it (none, softmax) are compiled as on ``parallel``."""
@@ -405,7 +406,8 @@ def merge(old: dict | None, new: dict) -> dict:
     made = {"command": old.get("command"), "git_commit": old.get("git_commit")}  # an older row's provenance
     rows = [{**made, **r, "backend": r.get("backend", "parallel")} for r in old.get("rows", []) if key(r) not in done]
     runs = [dict(r, backend=r.get("backend", "parallel")) for r in old.get("runs", []) if key(r) not in done]
-    order = lambda r: (r["N"], BACKENDS.index(r["backend"]), VARIANTS.index(r["variant"]), r.get("depth", 0))  # noqa: E731
+    def order(r):
+        return r["N"], BACKENDS.index(r["backend"]), VARIANTS.index(r["variant"]), r.get("depth", 0)
     out = dict(new, rows=sorted(rows + new["rows"], key=order), runs=sorted(runs + new["runs"], key=order))
     if "decode" not in new and "decode" in old:
         out["decode"] = old["decode"]
@@ -436,7 +438,8 @@ def table(res: dict, devices) -> str:
                 if sm and d in sm else "-"
             lines.append(f"{r['variant']:<8} {r.get('backend', 'parallel'):<8} N={r['N']:<6} B={r['B']:<3} "
                          f"{r['layer_bytes'] / 1e9:8.2f} {r['step_bytes'] / 1e9:8.1f} {r[d]['step_ms']:8.1f} "
-                         f"{r[d]['tokens_s'] / 1e3:9.0f}K {100 * r[d]['mfu']:5.1f}% {r['step_saved_bytes'] / 1e9:8.1f}  "
+                         f"{r[d]['tokens_s'] / 1e3:9.0f}K {100 * r[d]['mfu']:5.1f}% "
+                         f"{r['step_saved_bytes'] / 1e9:8.1f}  "
                          f"{ratio}")
     if "decode" in res:
         dd = res["decode"]
@@ -466,7 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the tiny model at N = 64, 128 (tests)")
     ap.add_argument("--backend", default="parallel", choices=BACKENDS,
                     help="the rope variant's attention core: the chunk-parallel path, or the fused kernels' "
-                         "stand-ins priced by linear_rope/ops/fused/pricing.py (the JSON keeps the other backend's rows)")
+                         "stand-ins priced by linear_rope/ops/fused/pricing.py (the JSON keeps the other "
+                         "backend's rows)")
     a = ap.parse_args(argv)
     variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
     if not variants or any(v not in VARIANTS for v in variants):

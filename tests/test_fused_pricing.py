@@ -85,7 +85,8 @@ def test_a_kernel_without_an_entry_is_an_error():
     shapes = [[2, 3, 256, 16], [2, 3, 256, 16], [2, 3, 256, 32], [40, 16]]
     with pytest.raises(RuntimeError, match="fused_fwd_nothing"):
         gp._fused_kernel("torch.ops.linear_rope_priced.fused_fwd_nothing.default", shapes, {})
-    k = gp._fused_kernel("torch.ops.linear_rope_priced.fused_fwd_states.default", shapes, {"name": "x", "kind": "extern"})
+    k = gp._fused_kernel("torch.ops.linear_rope_priced.fused_fwd_states.default", shapes,
+                         {"name": "x", "kind": "extern"})
     assert k["kind"] == "own" and k["name"] == "fused_fwd_states" and k["shape"] == [2, 3, 256, 16, 40, 32]
 
 

@@ -173,8 +173,8 @@ def _b1_flops(s: Shape) -> int:
 
 
 def _b2_bytes(s: Shape):
-    unique = (3 * s.qk + 2 * s.ve + 3 * s.row + 2 * s.states + 2 * s.zs + s.w + s.tab  # q k v dout den rowmax delta S dS z dz
-              + 2 * s.qk + s.ve)  # | dq dk dv
+    unique = (3 * s.qk + 2 * s.ve + 3 * s.row + 2 * s.states + 2 * s.zs + s.w + s.tab  # q k v dout den rowmax
+              + 2 * s.qk + s.ve)  # delta S dS z dz w tables | dq dk dv
     reread = (s.BH - 1) * s.tab + (s.nc * s.BH - 1) * s.w
     return unique, reread
 
@@ -217,7 +217,8 @@ def price(name: str, s: Shape) -> dict:
     missing = [t for t, table in (("bytes", OWN_KERNEL_BYTES), ("flops", OWN_KERNEL_FLOPS), ("grid", OWN_KERNEL_GRID))
                if name not in table]
     if missing:
-        raise KeyError(f"own kernel {name!r} has no pricing entry ({', '.join(missing)}) in linear_rope.ops.fused.pricing")
+        raise KeyError(f"own kernel {name!r} has no pricing entry ({', '.join(missing)}) in "
+                       "linear_rope.ops.fused.pricing")
     unique, reread = OWN_KERNEL_BYTES[name](s)
     programs = OWN_KERNEL_GRID[name](s)
     waves, f = fill(programs)
