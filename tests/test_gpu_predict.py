@@ -204,3 +204,15 @@ def test_own_triton_kernel_is_priced_by_its_bytes_and_flops(tmp_path):
     assert own[0]["bytes"] >= 2 * 4 << 20  # reads x, writes y (fp32)
     rate = gp.RULES["bf16_dense_flops"] * gp.RULES["gemm_odd_efficiency"]
     assert gp.price_us(own[0], "h100") == pytest.approx(1e6 * own[0]["flops"] / rate + gp.RULES["launch_us"])
+
+
+def test_own_triton_kernel_without_an_entry_is_an_error(tmp_path):
+    """A user kernel that OWN_KERNEL_FLOPS does not name fails the compilation with its name (never 0 FLOPs)."""
+    pytest.importorskip("triton", reason="triton is not installed: Inductor's GPU code generation needs it (pip install -e '.[predict]')")
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler: the predictor builds its fake CUDA device guard with one")
+    script = tmp_path / "own_kernel_unpriced.py"
+    script.write_text(OWN.replace('gp.OWN_KERNEL_FLOPS["double"] = lambda shapes: 100000 * shapes[0][0]\n', ""))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=_env())
+    assert proc.returncode != 0 and "own kernel 'double' has no entry in gpu_predict.OWN_KERNEL_FLOPS" in proc.stderr
