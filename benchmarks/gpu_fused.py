@@ -86,7 +86,7 @@ def _fused_call(orig):
              initial_state=None, output_final_state=False, **kw):
         plain = (causal and rotary and projection is not None and mask is None and key_mask is None
                  and cu_seqlens is None and initial_state is None and not output_final_state
-                 and not kw.get("offset") and float(kw.get("base", 10000.0)) == 10000.0)
+                 and isinstance(kw.get("offset", 0), int) and kw.get("offset", 0) == 0)
         if not plain:
             return orig(q, k, v, causal=causal, rotary=rotary, projection=projection, mask=mask, key_mask=key_mask,
                         cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
