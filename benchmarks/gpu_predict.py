@@ -3,6 +3,9 @@
     python -m benchmarks.gpu_predict                      # all variants and lengths, H100 and H200, decode
     python -m benchmarks.gpu_predict --n 1024 --variants rope,softmax --device h100 --no-decode
     python -m benchmarks.gpu_predict --quick --out /tmp/p.json   # the tiny model (the tests)
+    python -m benchmarks.gpu_predict --backend fused --variants rope --n 1024,4096,16384
+        # rope's attention core as the fused kernels' design (benchmarks/gpu_fused.py stand-ins,
+        # priced by linear_rope/ops/fused/pricing.py), the JSON's other rows kept
 
 How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_predict``).
 
@@ -68,9 +71,21 @@ RULES = {
     # kernel): its bytes are Inductor's count of its arguments, its FLOPs OWN_KERNEL_FLOPS' formula
     # of its argument shapes, run on the tensor cores at gemm_odd_efficiency
     "own_kernel": "bytes: its arguments; FLOPs: OWN_KERNEL_FLOPS[name](shapes) at gemm_odd_efficiency",
+    # --backend fused: the fused kernels' stand-ins (benchmarks/gpu_fused.py), priced by the
+    # formulas of linear_rope/ops/fused/pricing.py; derated by their grid's fill of the SMs
+    "own_fused_kernel": "bytes: pricing.OWN_KERNEL_BYTES (unique; re-reads shown, not priced); FLOPs: "
+                        "pricing.OWN_KERNEL_FLOPS (as executed) at gemm_odd_efficiency; max(bytes, FLOPs) time "
+                        "/ fill, fill = programs / (waves x 132 SMs), one program a SM",
+    # shown beside each fused kernel, never priced: its re-read bytes at an assumed L2 bandwidth
+    # (about 2x HBM); a kernel whose re-reads take longer than its priced time is L2-bound
+    "l2_check_bytes_s": 5.5e12,
 }
-# kernel function name -> FLOPs from its tensor arguments' shapes (a list of lists), for RULES["own_kernel"]
+# kernel function name -> FLOPs from its tensor arguments' shapes (a list of lists), for
+# RULES["own_kernel"]; a user kernel without an entry is an error (never 0 FLOPs). The fused
+# kernels' formulas (of a pricing.Shape) are pricing.OWN_KERNEL_BYTES / OWN_KERNEL_FLOPS.
 OWN_KERNEL_FLOPS: dict = {}
+BACKENDS = ("parallel", "fused")
+FUSED_NAMESPACE = "linear_rope_priced"
 DEVICES = {"h100": {"name": "H100 SXM", "hbm_bytes_s": 3.35e12}, "h200": {"name": "H200", "hbm_bytes_s": 4.8e12}}
 
 
@@ -102,7 +117,11 @@ def _kernel(node) -> dict | None:
         fn = ir.get_kernel_and_metadata()[0]
         fname = getattr(getattr(fn, "fn", fn), "__name__", name)
         shapes = [_shape(x) for x in ins]
-        return dict(k, name=fname, kind="own", flops=int(OWN_KERNEL_FLOPS.get(fname, lambda sh: 0)(shapes)))
+        if fname not in OWN_KERNEL_FLOPS:
+            raise RuntimeError(f"own kernel {fname!r} has no entry in gpu_predict.OWN_KERNEL_FLOPS (never priced as 0)")
+        return dict(k, name=fname, kind="own", flops=int(OWN_KERNEL_FLOPS[fname](shapes)))
+    if f".{FUSED_NAMESPACE}." in f".{name}":  # a fused kernel's stand-in: priced by pricing.py's formulas
+        return _fused_kernel(name, [_shape(x) for x in ins], k)
     short = name.rsplit(".", 1)[-1] if not name.endswith(".default") else name.split(".")[-2]
     if short in ("mm", "bmm", "addmm", "baddbmm", "bmm_dtype", "mm_dtype", "addmm_dtype") and len(ins) >= 2:
         a, out = ins[-2], _shape(ir)
@@ -129,6 +148,20 @@ def _kernel(node) -> dict | None:
     return k
 
 
+def _fused_kernel(name: str, shapes, k: dict) -> dict:
+    """A stand-in of benchmarks/gpu_fused.py (q, k, v [B, H, N, d | e], w [m, d] its first
+    arguments) priced by ``pricing.price``: a name without a pricing entry is an error."""
+    from linear_rope.ops.fused import pricing
+    op = name.split(".")[-2] if name.endswith(".default") else name.rsplit(".", 1)[-1]
+    (B, H, N, d), v, (m, _) = shapes[0], shapes[2], shapes[3]
+    try:
+        entry = pricing.price(op, pricing.Shape(B, H, N, d, m, v[-1]))
+    except KeyError as e:
+        raise RuntimeError(str(e.args[0])) from None
+    entry["reread_l2_us"] = round(1e6 * entry["reread_bytes"] / RULES["l2_check_bytes_s"], 3)
+    return dict(k, name=op, kind="own", **entry)
+
+
 def price_us(k: dict, device: str) -> float:
     """A kernel's predicted microseconds on ``device`` by ``RULES``."""
     r = RULES
@@ -145,7 +178,7 @@ def price_us(k: dict, device: str) -> float:
         rate = r["flash_bwd_flops"]
     if rate:
         t = max(t, k["flops"] / rate)
-    return 1e6 * t + r["launch_us"]
+    return 1e6 * t / k.get("fill", 1.0) + r["launch_us"]
 
 
 # -- the model, compiled ---------------------------------------------------------------------
@@ -262,8 +295,31 @@ def make_row(variant: str, N: int, B: int, s1: dict, s2: dict, cfg, devices, n_p
     return row
 
 
-def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=print) -> dict:
-    """Compile and price every (variant, N) at depth 1 and 2, and the decoder's step."""
+def _compile_train_as(backend: str, variant: str, N: int, B: int, depth: int, quick: bool) -> list[dict]:
+    """``compile_train`` with the attention core on ``backend``: ``parallel`` (the chunk-parallel
+    path, as the package runs it), ``fused`` (rope only: the fused kernels' stand-ins,
+    ``benchmarks.gpu_fused``); a fused compilation in which none of them appears is an error."""
+    if backend == "parallel":
+        return compile_train(variant, N, B, depth, quick)
+    from benchmarks.gpu_fused import attention_core_fused
+    from linear_rope.ops.fused.pricing import KERNELS
+    with attention_core_fused():
+        graphs = compile_train(variant, N, B, depth, quick)
+    seen = {k["name"] for g in graphs for k in g["nodes"] if k is not None and k["kind"] == "own"}
+    if not seen & set(KERNELS):
+        raise RuntimeError(f"--backend fused: none of the fused kernels ({', '.join(KERNELS)}) appears in the "
+                           f"compiled step of {variant} at N = {N}")
+    if seen != set(KERNELS):
+        raise RuntimeError(f"--backend fused: the step of {variant} at N = {N} has {sorted(seen)}, not all of "
+                           f"{', '.join(KERNELS)}")
+    return graphs
+
+
+def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=print,
+            backend: str = "parallel") -> dict:
+    """Compile and price every (variant, N) at depth 1 and 2, and the decoder's step. With
+    ``backend="fused"`` the rope variant's attention core is the fused kernels' (priced by their
+    formulas); the variants without it (none, softmax) are compiled as on ``parallel``."""
     os.environ["LINEAR_ROPE_BACKEND"] = "parallel"
     from linear_rope.model import MODEL_PRESETS, ModelConfig
     preset = MODEL_PRESETS["tiny" if quick else "paper"]
@@ -272,13 +328,15 @@ def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=p
     for N in lengths:
         B = max(1, tokens // N)
         for v in variants:
+            be = backend if v == "rope" else "parallel"
             t0 = time.time()
-            s1, s2 = (summarise(compile_train(v, N, B, depth, quick)) for depth in (1, 2))
-            runs += [dict(variant=v, N=N, B=B, depth=dp, **s) for dp, s in ((1, s1), (2, s2))]
+            s1, s2 = (summarise(_compile_train_as(be, v, N, B, depth, quick)) for depth in (1, 2))
+            runs += [dict(variant=v, backend=be, N=N, B=B, depth=dp, **s) for dp, s in ((1, s1), (2, s2))]
             n_params = sum(p.numel() for p in _model(v, 12, quick).parameters())
             row = make_row(v, N, B, s1, s2, ModelConfig(**{**preset, "position": v, "depth": 12}), devices, n_params)
+            row = {"variant": v, "backend": be, **row}
             row["compile_s"] = round(time.time() - t0, 1)
-            log(f"  {v:<8} N={N:<6} B={B:<3} {row['step_bytes'] / 1e9:7.1f} GB/step "
+            log(f"  {v:<8} {be:<8} N={N:<6} B={B:<3} {row['step_bytes'] / 1e9:7.1f} GB/step "
                 f"({row['layer_bytes'] / 1e9:.2f}/layer), {row['layer_kernels']} kernels/layer, "
                 f"compiled in {row['compile_s']} s", file=sys.stderr)
             rows.append(row)
@@ -290,6 +348,69 @@ def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=p
                          "layers": 2 if quick else 12, "bytes_per_step": s["bytes"], "kernels": s["kernels"],
                          "ms_per_step": {d: s["us"][d] / 1e3 for d in devices}, "compile_s": round(time.time() - t0, 1),
                          "graphs": s["graphs"]}
+    return out
+
+
+def design_sweep(res: dict, devices) -> list[dict]:
+    """The fused rows again with each design of ``pricing.ALTERNATIVES`` (C, BM, BE, tables,
+    query max): the same compiled step, its own kernels re-priced by the formulas (the rest
+    unchanged; the saved bytes are the compiled design's). Per design and N: step bytes and ms,
+    the ratios to softmax's row of the same N (tokens/s, bytes), and per layer the fused
+    kernels' priced time and their re-reads at RULES["l2_check_bytes_s"] (not priced)."""
+    from linear_rope.model import MODEL_PRESETS, ModelConfig
+    from linear_rope.ops.fused import pricing
+    soft = {r["N"]: r for r in res["rows"] if r["variant"] == "softmax"}
+    out = []
+    for row in (r for r in res["rows"] if r.get("backend") == "fused"):
+        runs = [r for r in res["runs"] if r.get("backend") == "fused" and r["variant"] == row["variant"]
+                and r["N"] == row["N"]]
+        s1, s2 = (next(r for r in runs if r["depth"] == dp) for dp in (1, 2))
+        cfg = ModelConfig(**{**MODEL_PRESETS["paper"], "position": row["variant"], "depth": row["layers"]})
+        for alt in pricing.ALTERNATIVES:
+            design = {**pricing.DESIGN, **alt}
+            again, layer = [], {}
+            for s in (s1, s2):
+                s = dict(s, us=dict(s["us"]))
+                for k in (k for g in s["graphs"] for k in g["kernels"] if k["kind"] == "own"):
+                    new = dict(k, **pricing.reprice(k["name"], k["shape"], **design))
+                    s["bytes"] += new["bytes"] - k["bytes"]
+                    for d in devices:
+                        s["us"][d] += price_us(new, d) - k["us"][d]
+                    if not again:  # depth 1: one layer's four kernels
+                        layer[new["name"]] = new
+                again.append(s)
+            r = make_row(row["variant"], row["N"], row["B"], *again, cfg, devices, row["params"])
+            item = {**design, "N": row["N"], "step_bytes": r["step_bytes"],
+                    "kernels_us_h100": {n: round(price_us(k, "h100"), 1) for n, k in layer.items()},
+                    "kernels_reread_l2_us": {n: round(1e6 * k["reread_bytes"] / RULES["l2_check_bytes_s"], 1)
+                                             for n, k in layer.items()}}
+            sm = soft.get(row["N"])
+            for d in devices:
+                item[d] = {"step_ms": r[d]["step_ms"], "tokens_s": r[d]["tokens_s"]}
+                if sm:
+                    item[d]["vs_softmax_tokens_s"] = r[d]["tokens_s"] / sm[d]["tokens_s"]
+            if sm:
+                item["vs_softmax_bytes"] = r["step_bytes"] / sm["step_bytes"]
+            out.append(item)
+    return out
+
+
+def merge(old: dict | None, new: dict) -> dict:
+    """``new``'s rows and runs in place of ``old``'s of the same (backend, variant, N); ``old``'s
+    others kept (a row without a backend is a ``parallel`` one); ``old``'s decode kept when
+    ``new`` has none. Rows ordered by N, backend (parallel first), variant."""
+    if not old:
+        return new
+    key = lambda r: (r.get("backend", "parallel"), r["variant"], r["N"])  # noqa: E731
+    done = {key(r) for r in new["rows"]}
+    made = {"command": old.get("command"), "git_commit": old.get("git_commit")}  # an older row's provenance
+    rows = [{**made, **r, "backend": r.get("backend", "parallel")} for r in old.get("rows", []) if key(r) not in done]
+    runs = [dict(r, backend=r.get("backend", "parallel")) for r in old.get("runs", []) if key(r) not in done]
+    def order(r):
+        return r["N"], BACKENDS.index(r["backend"]), VARIANTS.index(r["variant"]), r.get("depth", 0)
+    out = dict(new, rows=sorted(rows + new["rows"], key=order), runs=sorted(runs + new["runs"], key=order))
+    if "decode" not in new and "decode" in old:
+        out["decode"] = old["decode"]
     return out
 
 
@@ -306,14 +427,20 @@ def _git_commit() -> str:
 def table(res: dict, devices) -> str:
     lines = []
     for d in devices:
-        lines.append(f"{DEVICES[d]['name']} (predicted)   GB/layer  GB/step  ms/step   tokens/s    MFU  saved GB  "
-                     "vs softmax")
+        lines.append(f"{DEVICES[d]['name']} (predicted)            GB/layer  GB/step  ms/step   tokens/s    MFU  "
+                     "saved GB  vs softmax (tokens/s, bytes)")
         soft = {r["N"]: r for r in res["rows"] if r["variant"] == "softmax"}
         for r in res["rows"]:
-            ratio = f"{r[d]['tokens_s'] / soft[r['N']][d]['tokens_s']:.2f}" if r["N"] in soft else "-"
-            lines.append(f"{r['variant']:<8} N={r['N']:<6} B={r['B']:<3} {r['layer_bytes'] / 1e9:8.2f} "
-                         f"{r['step_bytes'] / 1e9:8.1f} {r[d]['step_ms']:8.1f} {r[d]['tokens_s'] / 1e3:9.0f}K "
-                         f"{100 * r[d]['mfu']:5.1f}% {r['step_saved_bytes'] / 1e9:8.1f}  {ratio}")
+            if d not in r:
+                continue
+            sm = soft.get(r["N"])
+            ratio = f"{r[d]['tokens_s'] / sm[d]['tokens_s']:.2f}x {r['step_bytes'] / sm['step_bytes']:.2f}x" \
+                if sm and d in sm else "-"
+            lines.append(f"{r['variant']:<8} {r.get('backend', 'parallel'):<8} N={r['N']:<6} B={r['B']:<3} "
+                         f"{r['layer_bytes'] / 1e9:8.2f} {r['step_bytes'] / 1e9:8.1f} {r[d]['step_ms']:8.1f} "
+                         f"{r[d]['tokens_s'] / 1e3:9.0f}K {100 * r[d]['mfu']:5.1f}% "
+                         f"{r['step_saved_bytes'] / 1e9:8.1f}  "
+                         f"{ratio}")
     if "decode" in res:
         dd = res["decode"]
         ms = ", ".join(f"{DEVICES[d]['name']} {v:.3f} ms" for d, v in dd["ms_per_step"].items())
@@ -340,6 +467,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True, help="price Decoder.step")
     ap.add_argument("--out", default=None, help=f"the JSON (default {OUT.relative_to(ROOT)})")
     ap.add_argument("--quick", action="store_true", help="the tiny model at N = 64, 128 (tests)")
+    ap.add_argument("--backend", default="parallel", choices=BACKENDS,
+                    help="the rope variant's attention core: the chunk-parallel path, or the fused kernels' "
+                         "stand-ins priced by linear_rope/ops/fused/pricing.py (the JSON keeps the other "
+                         "backend's rows)")
     a = ap.parse_args(argv)
     variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
     if not variants or any(v not in VARIANTS for v in variants):
@@ -357,14 +488,27 @@ def main(argv=None) -> int:
         ap.exit(2, "gpu_predict: error: Inductor's GPU code generation needs triton (pip install \"linear_rope[predict]\")\n")
     import torch
     try:
-        res = predict(variants, lengths, devices, a.decode, a.quick, log=print)
+        res = predict(variants, lengths, devices, a.decode, a.quick, log=print, backend=a.backend)
     except RuntimeError as e:
         ap.exit(2, f"gpu_predict: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n")
     import triton
+    command = " ".join(["python -m benchmarks.gpu_predict", *(argv if argv is not None else sys.argv[1:])])
+    for r in res["rows"]:
+        r.update(command=command, git_commit=_git_commit())
+    try:
+        old = json.loads(out.read_text()) if out.exists() else None
+    except (OSError, ValueError):
+        old = None
+    if old is not None and old.get("preset") != ("tiny" if a.quick else "paper"):
+        old = None  # another preset's rows are not kept
+    res = merge(old, res)
+    if any(r.get("backend") == "fused" for r in res["rows"]) and not a.quick:
+        res["fused_designs"] = design_sweep(res, devices)
     doc = {"note": "ESTIMATES: Inductor's GPU kernels generated on a CPU and priced on a roofline; no GPU ran them",
-           "command": " ".join(["python -m benchmarks.gpu_predict", *(argv if argv is not None else sys.argv[1:])]),
-           "torch": torch.__version__, "triton": triton.__version__, "git_commit": _git_commit(),
-           "preset": "tiny" if a.quick else "paper", "autocast": "bf16", "backend": "parallel",
+           "command": command, "torch": torch.__version__, "triton": triton.__version__, "git_commit": _git_commit(),
+           "preset": "tiny" if a.quick else "paper", "autocast": "bf16",
+           "backend": "per row: parallel (the chunk-parallel path) or fused (the fused kernels' stand-ins, priced "
+                      "by linear_rope/ops/fused/pricing.py); each row names its command and commit",
            "optimizer": "not included", "rules": RULES, "devices": {d: DEVICES[d] for d in devices}, **res}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")

@@ -46,8 +46,9 @@ def quick(tmp_path_factory):
     return json.loads(out.read_text()), proc.stdout
 
 
-def _run(doc, variant, depth, N=64):
-    return next(r for r in doc["runs"] if r["variant"] == variant and r["depth"] == depth and r["N"] == N)
+def _run(doc, variant, depth, N=64, backend="parallel"):
+    return next(r for r in doc["runs"] if r["variant"] == variant and r["depth"] == depth and r["N"] == N
+                and r.get("backend", "parallel") == backend)
 
 
 def test_kernels_are_listed_with_their_bytes(quick):
@@ -134,9 +135,10 @@ def test_committed_json_is_consistent():
     by today's rules (no triton needed to check it)."""
     doc = json.loads((ROOT / "benchmarks/results/gpu_predict.json").read_text())
     assert doc["preset"] == "paper" and doc["rules"] == gp.RULES
-    assert {(r["variant"], r["N"]) for r in doc["rows"]} == {(v, n) for v in gp.VARIANTS for n in gp.LENGTHS}
+    assert {(r["variant"], r["N"], r["backend"]) for r in doc["rows"]} == \
+        {(v, n, "parallel") for v in gp.VARIANTS for n in gp.LENGTHS} | {("rope", n, "fused") for n in (1024, 4096, 16384)}
     for row in doc["rows"]:
-        s1, s2 = (_run(doc, row["variant"], depth, row["N"]) for depth in (1, 2))
+        s1, s2 = (_run(doc, row["variant"], depth, row["N"], row["backend"]) for depth in (1, 2))
         for s in (s1, s2):
             ks = [k for g in s["graphs"] for k in g["kernels"]]
             assert s["bytes"] == sum(k["bytes"] for k in ks) and s["kernels"] == len(ks)
@@ -202,3 +204,15 @@ def test_own_triton_kernel_is_priced_by_its_bytes_and_flops(tmp_path):
     assert own[0]["bytes"] >= 2 * 4 << 20  # reads x, writes y (fp32)
     rate = gp.RULES["bf16_dense_flops"] * gp.RULES["gemm_odd_efficiency"]
     assert gp.price_us(own[0], "h100") == pytest.approx(1e6 * own[0]["flops"] / rate + gp.RULES["launch_us"])
+
+
+def test_own_triton_kernel_without_an_entry_is_an_error(tmp_path):
+    """A user kernel that OWN_KERNEL_FLOPS does not name fails the compilation with its name (never 0 FLOPs)."""
+    pytest.importorskip("triton", reason="triton is not installed: Inductor's GPU code generation needs it (pip install -e '.[predict]')")
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler: the predictor builds its fake CUDA device guard with one")
+    script = tmp_path / "own_kernel_unpriced.py"
+    script.write_text(OWN.replace('gp.OWN_KERNEL_FLOPS["double"] = lambda shapes: 100000 * shapes[0][0]\n', ""))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=_env())
+    assert proc.returncode != 0 and "own kernel 'double' has no entry in gpu_predict.OWN_KERNEL_FLOPS" in proc.stderr

@@ -1,0 +1,1 @@
+"""Fused Triton kernels of the chunk form: the features made on chip (pricing.py prices the design)."""
