@@ -17,8 +17,8 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; it runs from the 
 from benchmarks import gpu  # noqa: E402
 from benchmarks.common import NEEDS_CUDA, bf16_peak_tflops  # noqa: E402
 
-FIRST = ["train_softmax_1k", "train_rope_1k", "train_softmax_4k", "train_rope_4k", "decode_1k", "decode_16k", "op",
-         "checks"]
+FIRST = ["train_softmax_1k", "train_rope_1k", "train_softmax_4k", "train_rope_4k", "train_rope_parallel_1k",
+         "decode_1k", "decode_16k", "op", "checks"]
 ENV_OMP = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -115,7 +115,7 @@ def test_skips_and_errors_are_recorded(tmp_path, monkeypatch, keep_threads):
     code = gpu.main(["--device", "cpu", "--rows", "train_softmax_1k,op", "--window-s", "58", "--out", str(tmp_path / "b")])
     rows = json.loads((tmp_path / "b/window.json").read_text())["rows"]
     assert code == 0 and rows[0]["status"] == "ok" and rows[0]["ran"]
-    assert rows[1]["status"].startswith("skipped: ") and "the row's budget is 60 s" in rows[1]["status"]
+    assert rows[1]["status"].startswith("skipped: ") and "the row's budget is 55 s" in rows[1]["status"]
 
 
 def test_bf16_peaks_by_device_name():
