@@ -1,0 +1,44 @@
+"""The fused path: causal Eq. 19 with FAVOR+ features made on chip (Triton kernels, never a
+feature tensor in memory). ``op.py`` holds the op (``torch.library.triton_op``s and their
+autograd), ``launch.py`` the launches, ``forward.py`` / ``backward.py`` / ``common.py`` the
+kernels. This module imports no triton: ``supports_fused`` says whether a call can take the
+path, ``triton_available`` whether triton is installed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+__all__ = ["MAX_D", "MAX_E", "supports_fused", "triton_available"]
+
+MAX_D = 128  # q, k head dim (one [64, d] tile)
+MAX_E = 128  # value width (the backward's dq, dk, dv kernel holds all e at once)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def supports_fused(q, k, v, projection, a, causal: bool) -> str | None:
+    """None if the fused path takes the call, else why not (one line)."""
+    if not causal:
+        return "causal=False (the bidirectional closed form is plain ops)"
+    if projection is None:
+        return "features given (no projection): the fused kernels make FAVOR+ features inside"
+    if a.docs is not None:
+        return "cu_seqlens (packed documents)"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (the kernels take float32, bfloat16 and float16)"
+    if a.kmask is not None and a.qmask is not None and a.kmask is not a.qmask:
+        return "separate query and key masks"
+    d, e = q.shape[-1], v.shape[-1]
+    if d > MAX_D:
+        return f"d = {d} > {MAX_D}"
+    if not 1 <= e <= MAX_E:
+        return f"e = {e} outside 1..{MAX_E}"
+    if q.shape[0] * q.shape[1] == 0 or q.shape[2] == 0:
+        return "an empty call"
+    return None
