@@ -135,7 +135,37 @@ def run_case(name: str) -> dict:
     return dict(tensors=res, seconds=secs)
 
 
+def dispatch_checks() -> dict:
+    """The public op with ``LINEAR_ROPE_BACKEND=fused`` on CPU tensors (the interpreter lets them
+    through): the path recorded, out and the final state as the direct call's, in bf16 and under
+    a bf16 autocast of float32 inputs; a call it does not take (features given) refused."""
+    from linear_rope.ops.backend import record_paths
+
+    res = {}
+    q, k, v, kw, grads = _inputs(torch.bfloat16, 1, 2, 70, 16, 20, 16, dict(offset=4, state=True))
+    with use_backend("fused"), record_paths() as paths:
+        out, st = rotary_linear_attention(q, k, v, **kw)
+    direct, (S, z) = _fused(q, k, v, **kw)
+    res["paths"] = paths
+    res["same"] = bool(torch.equal(out, direct) and torch.equal(st.S, S) and torch.equal(st.z, z))
+    res["dtypes"] = [str(out.dtype), str(st.S.dtype), str(st.z.dtype)]
+    qf, kf, vf = q.float(), k.float(), v.float()
+    with use_backend("fused"), torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac = rotary_linear_attention(qf, kf, vf, **{**kw, "output_final_state": False})
+    res["autocast_dtype"] = str(out_ac.dtype)
+    res["autocast_vs_bf16"] = float((out_ac.double() - out.double()).abs().max() / out.double().abs().max())
+    try:
+        with use_backend("fused"):
+            rotary_linear_attention(q.float().abs(), k.float().abs(), v.float())
+        res["refused"] = None
+    except ValueError as ex:
+        res["refused"] = str(ex)
+    return res
+
+
 if __name__ == "__main__":
     fused_interp.self_check()
     names = sys.argv[1:] or list(CASES)
-    print(json.dumps({n: run_case(n) for n in names}))
+    res = {n: run_case(n) for n in names}
+    res["_dispatch"] = dispatch_checks()
+    print(json.dumps(res))

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
-__all__ = ["MAX_D", "MAX_E", "supports_fused", "triton_available"]
+__all__ = ["MAX_D", "MAX_E", "fused_refusal", "supports_fused", "triton_available"]
 
 MAX_D = 128  # q, k head dim (one [64, d] tile)
 MAX_E = 128  # value width (the backward's dq, dk, dv kernel holds all e at once)
@@ -42,3 +43,18 @@ def supports_fused(q, k, v, projection, a, causal: bool) -> str | None:
     if q.shape[0] * q.shape[1] == 0 or q.shape[2] == 0:
         return "an empty call"
     return None
+
+
+def fused_refusal(q, k, v, projection, a, causal: bool, lowp: bool, forced: bool) -> str | None:
+    """None if the fused path takes the call, else why not (one line): ``supports_fused``, and
+    CUDA tensors (CPU tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``) with triton
+    installed. Unforced (``auto``), only bf16 arithmetic (bf16 inputs or a bf16 autocast): the
+    float32 kernels multiply in IEEE float32 without tensor cores (built for sm_90 they spill)."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return f"tensors on {q.device.type} (the fused kernels run on CUDA)"
+    if not triton_available():
+        return "triton is not installed"
+    why = supports_fused(q, k, v, projection, a, causal)
+    if why is None and not forced and not lowp:
+        why = f"{str(q.dtype)[6:]} arithmetic (auto takes the fused path for bf16; LINEAR_ROPE_BACKEND=fused forces it)"
+    return why
