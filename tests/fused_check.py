@@ -34,6 +34,7 @@ CASES = {
     "fp32_norot_odd_m_e65": (torch.float32, 1, 2, 67, 16, 13, 65, dict(rotary=False)),
     "fp32_large_qk": (torch.float32, 1, 2, 100, 16, 32, 16, dict(scale=4.0, offset=11, vs_parallel=True)),
     "fp32_m266": (torch.float32, 1, 1, 80, 64, 266, 64, dict(offset=2)),
+    "fp32_strided_state_only": (torch.float32, 2, 2, 70, 16, 20, 16, dict(strided=True, state=True, state_only=True)),
     "fp16": (torch.float16, 2, 1, 100, 16, 40, 24, dict(offset=7, state=True)),
     "fp16_mask": (torch.float16, 2, 1, 70, 16, 34, 16, dict(offset=[1, 40], mask=True)),
     "bf16": (torch.bfloat16, 2, 2, 130, 16, 40, 24, dict(offset=3, state=True)),
@@ -49,6 +50,8 @@ def _inputs(dtype, B, H, N, d, m, e, o, seed=0):
     q, k = (torch.randn(B, H, N, d, generator=g) * s).to(dtype), (torch.randn(B, H, N, d, generator=g) * s).to(dtype)
     v = torch.randn(B, H, N, e, generator=g).to(dtype)
     w = torch.randn(m, d, generator=g)
+    if o.get("strided"):  # [B, N, H, x] in memory, as a layer's projection gives them
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     mask = None
     if o.get("mask"):
         mask = torch.ones(B, N, dtype=torch.bool)
@@ -66,17 +69,21 @@ def _inputs(dtype, B, H, N, d, m, e, o, seed=0):
         kw["offset"] = offset
     grads = (torch.randn(B, H, N, e, generator=g).to(dtype).float(), torch.randn(B, H, m, e, generator=g),
              torch.randn(B, H, m, generator=g))
+    if o.get("state_only"):  # the output unused: only the final state's gradient comes back
+        grads = (None,) + grads[1:]
     return q, k, v, kw, grads
 
 
 def _run(fn, q, k, v, kw, grads, cast):
-    q, k, v = (cast(t).detach().requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().to(cast(t[:0]).dtype).requires_grad_() for t in (q, k, v))
     st = kw["initial_state"]
     if st is not None:
         st = LinearAttentionState(*(cast(t).detach().requires_grad_() for t in st))
     out, (S, z) = fn(q, k, v, **{**kw, "initial_state": st})
-    go, gS, gz = (cast(t) for t in grads)
-    loss = (out.to(go.dtype) * go).nansum() + (S.to(gS.dtype) * gS).sum() + (z.to(gz.dtype) * gz).sum()
+    go, gS, gz = (None if t is None else cast(t) for t in grads)
+    loss = (S.to(gS.dtype) * gS).sum() + (z.to(gz.dtype) * gz).sum()
+    if go is not None:
+        loss = loss + (out.to(go.dtype) * go).nansum()
     loss.backward()
     dS0, dz0 = (None, None) if st is None else (st.S.grad, st.z.grad)
     return dict(zip(NAMES, (out, S, z, q.grad, k.grad, v.grad, dS0, dz0)))

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 HERE = os.path.dirname(os.path.abspath(__file__))
 FP32 = dict(out=1e-5, S=1e-5, z=1e-5, dq=1e-4, dk=1e-4, dv=1e-4, dS0=1e-4, dz0=1e-4)  # tolerances.tolerance(float32)
 BF16_VS_PARALLEL = 1.25  # bf16: the error at most this times the chunk-parallel path's on the same inputs
-CASES = ("fp32", "fp32_rows_mask", "fp32_n1", "fp32_norot_odd_m_e65", "fp32_m266", "fp32_large_qk",
+CASES = ("fp32", "fp32_rows_mask", "fp32_n1", "fp32_norot_odd_m_e65", "fp32_m266", "fp32_strided_state_only",
+         "fp32_large_qk",
          "fp16", "fp16_mask", "bf16", "bf16_rows_mask", "bf16_m266")
 
 
@@ -79,3 +80,18 @@ def test_the_public_op_forced_to_the_fused_path(results):
     assert r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"], r
     assert r["autocast_dtype"] == "torch.float32" and r["autocast_vs_bf16"] <= 2 ** -8, r
     assert r["refused"].startswith("backend 'fused' was forced, but features given"), r
+
+
+def test_torch_compile_sees_the_kernels():
+    """Traced with fake tensors (``fused_trace.py``, an sm_90 target named, no GPU): the forward
+    graph AOTAutograd compiles holds the two forward kernels as ``triton_kernel_wrapper_functional``
+    (the triton_op's body, visible to Inductor), and the joint graph both ops (autograd
+    registered)."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, os.path.join(HERE, "fused_trace.py")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["forward"] == ["triton_kernel_wrapper_functional"] * 2, r
+    assert sorted(set(r["joint"])) == ["linear_rope.fused_backward.default", "linear_rope.fused_forward.default"], r

@@ -30,6 +30,13 @@ def _be(e: int) -> int:
     return min(64, _p2(e))
 
 
+def _stages(lowp: bool) -> dict:
+    """Float32 kernels (IEEE products, no tensor cores) unpipelined: their operands go through
+    shared memory, and with Triton's default 3 stages the d = e = 128 backward asks more than
+    sm_90's 227 KiB (sm_90 build, Triton 3.6: 352 KiB; 1 stage: 224 KiB)."""
+    return {} if lowp else dict(num_stages=1)
+
+
 def _strides3(t):
     """(batch, head, row) strides of a `[B, H, N, x]` tensor with unit last stride."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -65,7 +72,8 @@ def forward(wrap, q, k, v, wa, wb, c, cos, sin, mask, S0, z0, lowp: bool, out_dt
     cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
     ksc = 0.5 / math.sqrt(d)
     BD, BE = _p2(d), _be(e)
-    common = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=mask is not None)
+    common = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=mask is not None,
+                  **_stages(lowp))
     init = S0 is not None
     wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
         k, v, wa, wb, c, cos_, sin_, mask_, S0 if init else S, z0 if init else z, Sb, zb, S, z,
@@ -98,14 +106,15 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
     ksc = 0.5 / math.sqrt(d)
     BD, BE = _p2(d), _be(e)
     msk = mask is not None
+    stages = _stages(lowp)
     wrap(_dden)[(nc, BH)](dout, out, den, mask_, dden, *sm, N, H, e, C=C, BE=BE, MASK=msk, num_warps=4)
     wrap(_dstates)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
         q, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, dz0 if dS is None else dS,
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
         C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=msk, FINAL_S=dS is not None,
-        FINAL_Z=dz is not None, num_warps=4)
+        FINAL_Z=dz is not None, num_warps=4, **stages)
     wrap(_dqkv)[(nc, BH)](
         q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
         *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
-        FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=_p2(e), ROTARY=cos is not None, LOWP=lowp, MASK=msk, num_warps=8)
+        FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=_p2(e), ROTARY=cos is not None, LOWP=lowp, MASK=msk, num_warps=8, **stages)
     return dq, dk, dv, dS0, dz0
