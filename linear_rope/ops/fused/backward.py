@@ -6,7 +6,8 @@ reads its log-sum-exp); none was saved. The projection gets no gradient, and the
 is a constant (the output does not depend on it).
 
 With dnum = dout / den and dden = -(dout . out) / den per query (0 where den <= 0 and for masked
-queries), per chunk: ``dA = tril(dnum v^T)``, ``dD = tril(dden 1^T)``,
+queries), per chunk: ``dA = tril(dnum v^T)``, ``dD = tril(dden 1^T)`` (never formed: its products
+are prefix and suffix sums over the chunk's rows),
 
 * ``dv = tril(A)^T dnum + Rk dS_after``
 * ``d(Rq) = dA Rk + dnum Sb^T``, ``d(Rk) = dA^T Rq + v dS_after^T``
@@ -155,15 +156,14 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
         real = tm & (tl.load(mask + b * s_mb + t, mask=tm, other=0) != 0)
     qt = _op(tl.where(real[:, None], _rows(q, t, tm, s_qn, cols, cm), 0.0), LOWP)
     kt = _op(tl.where(real[:, None], _rows(k, t, tm, s_kn, cols, cm), 0.0), LOWP)
-    k32 = kt.to(tl.float32)
-    ksq = ksc * tl.sum(k32 * k32, 1)
+    ksq = ksc * tl.sum(kt.to(tl.float32) * kt.to(tl.float32), 1)
     vt = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, ce, em), 0.0), LOWP)
     rmx = tl.load(rmax + bh * N + t, mask=tm, other=0.0)
     dd = tl.load(dden + bh * N + t, mask=tm, other=0.0)
+    dd16 = _op(dd, LOWP).to(tl.float32)  # the GEMM operand of tril(dden 1^T), as the parallel path rounds it
     g = _op(_dnum(do, den, mask, bh, b, t, tm, ce, em, s_mb, N, e, MASK), LOWP)
     causal = i[:, None] >= i[None, :]
     dA = _op(tl.where(causal, _dot(g, tl.trans(vt), LOWP), 0.0), LOWP)
-    dD = _op(tl.where(causal, dd[:, None], 0.0), LOWP)
     A = tl.zeros([C, C], dtype=tl.float32)
     gv = tl.zeros([C, BE], dtype=tl.float32)
     gq = tl.zeros([C, BD], dtype=tl.float32)
@@ -202,10 +202,11 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
         zbo = tl.load(zb + at * m + jo, mask=mo, other=0.0)
         dze = tl.load(dza + at * m + je, mask=me, other=0.0)
         dzo = tl.load(dza + at * m + jo, mask=mo, other=0.0)
-        gqe += _dot(dD, _op(fke, LOWP), LOWP) + dd[:, None] * zbe[None, :]
-        gqo += _dot(dD, _op(fko, LOWP), LOWP) + dd[:, None] * zbo[None, :]
-        gke += _dot(tl.trans(dD), _op(fqe, LOWP), LOWP) + dze[None, :]
-        gko += _dot(tl.trans(dD), _op(fqo, LOWP), LOWP) + dzo[None, :]
+        # (tril(dden 1^T) phi_k and its transpose's product as prefix and suffix sums over rows: no [C, C] GEMM)
+        gqe += dd16[:, None] * tl.cumsum(_op(fke, LOWP).to(tl.float32), 0) + dd[:, None] * zbe[None, :]
+        gqo += dd16[:, None] * tl.cumsum(_op(fko, LOWP).to(tl.float32), 0) + dd[:, None] * zbo[None, :]
+        gke += tl.cumsum(dd16[:, None] * _op(fqe, LOWP).to(tl.float32), 0, reverse=True) + dze[None, :]
+        gko += tl.cumsum(dd16[:, None] * _op(fqo, LOWP).to(tl.float32), 0, reverse=True) + dzo[None, :]
         # the exponents' (keys: 0 where clamped), then the projection's rows (its bf16 value part)
         aqe, aqo = gqe * fqe, gqo * fqo
         ake = tl.where(ine, gke * fke, 0.0)
@@ -217,7 +218,7 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
         gk += _dot(_op(ake, LOWP), wae, LOWP) + _dot(_op(ako, LOWP), wao, LOWP)
         gks += tl.sum(ake, 1) + tl.sum(ako, 1)
     gv += _dot(tl.trans(_op(tl.where(causal, A, 0.0), LOWP)), g, LOWP)
-    gk -= (2.0 * ksc) * k32 * gks[:, None]
+    gk -= (2.0 * ksc) * kt.to(tl.float32) * gks[:, None]
     keep = real[:, None]
     od = bh * N * d + t[:, None] * d + cols[None, :]
     tl.store(dq + od, tl.where(keep, gq, 0.0).to(dq.dtype.element_ty), mask=tm[:, None] & cm[None, :])

@@ -97,8 +97,9 @@ def _output(q, k, v, wa, wb, c, cos, sin, mask, Sb, zb, out, den, rmax,
             ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr):
     """Grid (nc, B H, cdiv(e, BE)): one chunk's outputs. Pass 1: the query row max over all m
     features; pass 2, per feature block: phi(q), R phi(q), and the chunk's phi(k), R phi(k)
-    again; ``num += Rq Sb``, ``A += Rq Rk^T``, ``den += phi_q . zb``, ``D += phi_q phi_k^T``. Then
-    ``out = (num + tril(A) v) / (den + rowsum(tril(D)))`` (<= 0 divides by 1). Stores out `[B H,
+    again; ``num += Rq Sb``, ``A += Rq Rk^T``, ``den += phi_q . (zb + cumsum(phi_k))`` (the row
+    sums of ``tril(phi_q phi_k^T)`` without the `[C, C]` product). Then ``out = (num + tril(A) v)
+    / den`` (<= 0 divides by 1). Stores out `[B H,
     N, e]` and, once per row, the denominator and row max `[B H, N]` float32 for the backward."""
     ci = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -131,7 +132,6 @@ def _output(q, k, v, wa, wb, c, cos, sin, mask, Sb, zb, out, den, rmax,
         rmx = tl.maximum(rmx, tl.maximum(tl.max(ae, 1), tl.max(ao, 1)))
     num = tl.zeros([C, BE], dtype=tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
-    D = tl.zeros([C, C], dtype=tl.float32)
     dn = tl.zeros([C], dtype=tl.float32)
     at = bh * nc + ci
     for j0 in range(0, m, BM):
@@ -150,11 +150,12 @@ def _output(q, k, v, wa, wb, c, cos, sin, mask, Sb, zb, out, den, rmax,
         Sbo = tl.load(Sb + at * m * e + jo[:, None] * e + ce[None, :], mask=mo[:, None] & em[None, :], other=0.0)
         num += _dot(rqe, Sbe, LOWP) + _dot(rqo, Sbo, LOWP)
         A += _dot(rqe, tl.trans(_op(rke, LOWP)), LOWP) + _dot(rqo, tl.trans(_op(rko, LOWP)), LOWP)
-        fqe, fqo = _op(fqe, LOWP), _op(fqo, LOWP)
-        D += _dot(fqe, tl.trans(_op(fke, LOWP)), LOWP) + _dot(fqo, tl.trans(_op(fko, LOWP)), LOWP)
+        # the unrotated denominator: phi_q . (the key sum before the chunk + the chunk's keys up to the row)
         zbe = tl.load(zb + at * m + je, mask=me, other=0.0)
         zbo = tl.load(zb + at * m + jo, mask=mo, other=0.0)
-        dn += tl.sum(fqe.to(tl.float32) * zbe[None, :], 1) + tl.sum(fqo.to(tl.float32) * zbo[None, :], 1)
+        ze = zbe[None, :] + tl.cumsum(_op(fke, LOWP).to(tl.float32), 0)
+        zo = zbo[None, :] + tl.cumsum(_op(fko, LOWP).to(tl.float32), 0)
+        dn += tl.sum(_op(fqe, LOWP).to(tl.float32) * ze, 1) + tl.sum(_op(fqo, LOWP).to(tl.float32) * zo, 1)
     causal = i[:, None] >= i[None, :]
     A = tl.where(causal, A, 0.0)
     if LOWP:  # A in two bf16 parts (value, remainder): its rounding does not add to the features'
@@ -162,7 +163,6 @@ def _output(q, k, v, wa, wb, c, cos, sin, mask, Sb, zb, out, den, rmax,
         num += tl.dot(Ah, vt) + tl.dot((A - Ah.to(tl.float32)).to(tl.bfloat16), vt)
     else:
         num += _dot(A, vt, LOWP)
-    dn += tl.sum(tl.where(causal, D, 0.0), 1)
     o = num / tl.where(dn <= 0.0, 1.0, dn)[:, None]
     o = tl.where(real[:, None], o, 0.0)
     tl.store(out + bh * N * e + t[:, None] * e + ce[None, :], o.to(out.dtype.element_ty), mask=tm[:, None] & em[None, :])
