@@ -29,7 +29,7 @@ from linear_rope.ops.utils import LinearAttentionState, Options, check_args  # n
 CASES = {
     # name: (dtype, B, H, N, d, m, e, options)
     "fp32": (torch.float32, 2, 2, 130, 16, 40, 24, dict(offset=3, state=True)),
-    "fp32_rows_mask": (torch.float32, 2, 1, 70, 16, 34, 16, dict(offset=[5, 900], mask=True, state=True)),
+    "fp32_rows_mask": (torch.float32, 2, 1, 70, 16, 34, 16, dict(offset=[5, 2 ** 40 + 3], mask=True, state=True)),
     "fp32_n1": (torch.float32, 1, 2, 1, 8, 10, 8, dict(state=True)),
     "fp32_norot_odd_m_e65": (torch.float32, 1, 2, 67, 16, 13, 65, dict(rotary=False)),
     "fp32_large_qk": (torch.float32, 1, 2, 100, 16, 32, 16, dict(scale=4.0, offset=11, vs_parallel=True)),
