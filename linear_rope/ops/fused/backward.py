@@ -130,11 +130,13 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tb, s_tn, s_tp, s_mb,
           N, H, nc, m, d, e, ksc,
           FLOOR: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-          ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr):
-    """Grid (nc, B H): one chunk's dq, dk `[C, d]` and dv `[C, e]` (all e in one block, BE >= e),
-    accumulated over the feature blocks from the recomputed features, the states before the chunk
-    (Sb, zb) and the gradients of the states after it (dSa, dza); stored in the inputs' dtype
-    `[B, H, N, x]` contiguous (0 for masked tokens)."""
+          ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr, DQ: tl.constexpr):
+    """Grid (nc, B H), launched twice: one chunk's dq `[C, d]` (``DQ``: from the states before the
+    chunk, Sb and zb), else its dk `[C, d]` and dv `[C, e]` (from the gradients of the states after
+    it, dSa and dza), all e in one block (BE >= e), accumulated over the feature blocks from the
+    recomputed features; stored in the inputs' dtype `[B, H, N, x]` contiguous (0 for masked
+    tokens). Two kernels, each recomputing the features, rather than one holding every
+    accumulator: built for sm_90, the one spilled 2 KB a thread."""
     ci = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -166,62 +168,67 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     dA = _op(tl.where(causal, _dot(g, tl.trans(vt), LOWP), 0.0), LOWP)
     A = tl.zeros([C, C], dtype=tl.float32)
     gv = tl.zeros([C, BE], dtype=tl.float32)
-    gq = tl.zeros([C, BD], dtype=tl.float32)
-    gk = tl.zeros([C, BD], dtype=tl.float32)
+    gx = tl.zeros([C, BD], dtype=tl.float32)  # dq or dk
     gks = tl.zeros([C], dtype=tl.float32)
     at = bh * nc + ci
     for j0 in range(0, m, BM):
         je = j0 + 2 * lanes
         jo = je + 1
         me, mo = je < m, jo < m
+        mse, mso = me[:, None] & em[None, :], mo[:, None] & em[None, :]
         fqe, fqo = _q_feats(qt, rmx, wa, wb, c, j0, m, d, lanes, cols, cm, LOWP)
         fke, fko, ine, ino = _k_feats(kt, ksq, real, wa, wb, c, j0, m, d, lanes, cols, cm, FLOOR, LOWP)
-        rqe, rqo, rke, rko = fqe, fqo, fke, fko
+        rke, rko = fke, fko
         if ROTARY:
             cs, sn = _tables(cos, sin, t, tm, s_tn, s_tp, j0, m, lanes)
-            rqe, rqo = _rot(fqe, fqo, cs, sn)
             rke, rko = _rot(fke, fko, cs, sn)
-        rqe, rqo, rke, rko = _op(rqe, LOWP), _op(rqo, LOWP), _op(rke, LOWP), _op(rko, LOWP)
-        A += _dot(rqe, tl.trans(rke), LOWP) + _dot(rqo, tl.trans(rko), LOWP)
-        mse, mso = me[:, None] & em[None, :], mo[:, None] & em[None, :]
-        Sbe = tl.load(Sb + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
-        Sbo = tl.load(Sb + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
-        dSe = tl.load(dSa + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
-        dSo = tl.load(dSa + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
-        # the rotated features' gradients, then back through R (its transpose)
-        gqe = _dot(dA, rke, LOWP) + _dot(g, tl.trans(Sbe), LOWP)
-        gqo = _dot(dA, rko, LOWP) + _dot(g, tl.trans(Sbo), LOWP)
-        gke = _dot(tl.trans(dA), rqe, LOWP) + _dot(vt, tl.trans(dSe), LOWP)
-        gko = _dot(tl.trans(dA), rqo, LOWP) + _dot(vt, tl.trans(dSo), LOWP)
-        gv += _dot(rke, dSe, LOWP) + _dot(rko, dSo, LOWP)
-        if ROTARY:
-            gqe, gqo = _rot_t(gqe, gqo, cs, sn)
-            gke, gko = _rot_t(gke, gko, cs, sn)
-        # the unrotated denominator's
-        zbe = tl.load(zb + at * m + je, mask=me, other=0.0)
-        zbo = tl.load(zb + at * m + jo, mask=mo, other=0.0)
-        dze = tl.load(dza + at * m + je, mask=me, other=0.0)
-        dzo = tl.load(dza + at * m + jo, mask=mo, other=0.0)
-        # (tril(dden 1^T) phi_k and its transpose's product as prefix and suffix sums over rows: no [C, C] GEMM)
-        gqe += dd16[:, None] * tl.cumsum(_op(fke, LOWP).to(tl.float32), 0) + dd[:, None] * zbe[None, :]
-        gqo += dd16[:, None] * tl.cumsum(_op(fko, LOWP).to(tl.float32), 0) + dd[:, None] * zbo[None, :]
-        gke += tl.cumsum(dd16[:, None] * _op(fqe, LOWP).to(tl.float32), 0, reverse=True) + dze[None, :]
-        gko += tl.cumsum(dd16[:, None] * _op(fqo, LOWP).to(tl.float32), 0, reverse=True) + dzo[None, :]
-        # the exponents' (keys: 0 where clamped), then the projection's rows (its bf16 value part)
-        aqe, aqo = gqe * fqe, gqo * fqo
-        ake = tl.where(ine, gke * fke, 0.0)
-        ako = tl.where(ino, gko * fko, 0.0)
-        wmask = cm[None, :]
-        wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & wmask, other=0.0)
-        wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & wmask, other=0.0)
-        gq += _dot(_op(aqe, LOWP), wae, LOWP) + _dot(_op(aqo, LOWP), wao, LOWP)
-        gk += _dot(_op(ake, LOWP), wae, LOWP) + _dot(_op(ako, LOWP), wao, LOWP)
-        gks += tl.sum(ake, 1) + tl.sum(ako, 1)
-    gv += _dot(tl.trans(_op(tl.where(causal, A, 0.0), LOWP)), g, LOWP)
-    gk -= (2.0 * ksc) * kt.to(tl.float32) * gks[:, None]
+        rke, rko = _op(rke, LOWP), _op(rko, LOWP)
+        wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & cm[None, :], other=0.0)
+        wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & cm[None, :], other=0.0)
+        if DQ:
+            # R phi_q's gradient, back through R (its transpose); then the unrotated denominator's:
+            # tril(dden 1^T) phi_k as a prefix sum over the chunk's rows (no [C, C] GEMM)
+            Sbe = tl.load(Sb + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
+            Sbo = tl.load(Sb + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
+            gqe = _dot(dA, rke, LOWP) + _dot(g, tl.trans(Sbe), LOWP)
+            gqo = _dot(dA, rko, LOWP) + _dot(g, tl.trans(Sbo), LOWP)
+            if ROTARY:
+                gqe, gqo = _rot_t(gqe, gqo, cs, sn)
+            zbe = tl.load(zb + at * m + je, mask=me, other=0.0)
+            zbo = tl.load(zb + at * m + jo, mask=mo, other=0.0)
+            gqe += dd16[:, None] * tl.cumsum(_op(fke, LOWP).to(tl.float32), 0) + dd[:, None] * zbe[None, :]
+            gqo += dd16[:, None] * tl.cumsum(_op(fko, LOWP).to(tl.float32), 0) + dd[:, None] * zbo[None, :]
+            # the exponents' gradients, then the projection's rows (its bf16 value part)
+            gx += _dot(_op(gqe * fqe, LOWP), wae, LOWP) + _dot(_op(gqo * fqo, LOWP), wao, LOWP)
+        else:
+            rqe, rqo = fqe, fqo
+            if ROTARY:
+                rqe, rqo = _rot(fqe, fqo, cs, sn)
+            rqe, rqo = _op(rqe, LOWP), _op(rqo, LOWP)
+            A += _dot(rqe, tl.trans(rke), LOWP) + _dot(rqo, tl.trans(rko), LOWP)
+            dSe = tl.load(dSa + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
+            dSo = tl.load(dSa + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
+            gke = _dot(tl.trans(dA), rqe, LOWP) + _dot(vt, tl.trans(dSe), LOWP)
+            gko = _dot(tl.trans(dA), rqo, LOWP) + _dot(vt, tl.trans(dSo), LOWP)
+            gv += _dot(rke, dSe, LOWP) + _dot(rko, dSo, LOWP)
+            if ROTARY:
+                gke, gko = _rot_t(gke, gko, cs, sn)
+            # the denominator's: tril(dden 1^T)^T phi_q as a suffix sum over the chunk's rows
+            dze = tl.load(dza + at * m + je, mask=me, other=0.0)
+            dzo = tl.load(dza + at * m + jo, mask=mo, other=0.0)
+            gke += tl.cumsum(dd16[:, None] * _op(fqe, LOWP).to(tl.float32), 0, reverse=True) + dze[None, :]
+            gko += tl.cumsum(dd16[:, None] * _op(fqo, LOWP).to(tl.float32), 0, reverse=True) + dzo[None, :]
+            ake = tl.where(ine, gke * fke, 0.0)  # 0 where the exponent was clamped
+            ako = tl.where(ino, gko * fko, 0.0)
+            gx += _dot(_op(ake, LOWP), wae, LOWP) + _dot(_op(ako, LOWP), wao, LOWP)
+            gks += tl.sum(ake, 1) + tl.sum(ako, 1)
     keep = real[:, None]
     od = bh * N * d + t[:, None] * d + cols[None, :]
-    tl.store(dq + od, tl.where(keep, gq, 0.0).to(dq.dtype.element_ty), mask=tm[:, None] & cm[None, :])
-    tl.store(dk + od, tl.where(keep, gk, 0.0).to(dk.dtype.element_ty), mask=tm[:, None] & cm[None, :])
-    tl.store(dv + bh * N * e + t[:, None] * e + ce[None, :], tl.where(keep, gv, 0.0).to(dv.dtype.element_ty),
-             mask=tm[:, None] & em[None, :])
+    if DQ:
+        tl.store(dq + od, tl.where(keep, gx, 0.0).to(dq.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+    else:
+        gv += _dot(tl.trans(_op(tl.where(causal, A, 0.0), LOWP)), g, LOWP)
+        gx -= (2.0 * ksc) * kt.to(tl.float32) * gks[:, None]
+        tl.store(dk + od, tl.where(keep, gx, 0.0).to(dk.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+        tl.store(dv + bh * N * e + t[:, None] * e + ce[None, :], tl.where(keep, gv, 0.0).to(dv.dtype.element_ty),
+                 mask=tm[:, None] & em[None, :])

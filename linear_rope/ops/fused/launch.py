@@ -6,7 +6,8 @@ dim of a ``tl.dot`` at least 16), d padded to BD = next power of two >= 16, valu
 BE = min(64, next power of two of e) (``_output`` and ``_states``; the backward's ``_dqkv`` takes
 all e at once: e <= 128). Warps and stages from the sm_90 build (Triton 3.6, ptxas -v, bf16, d = e
 = 64; no GPU measured them): 8 warps leave ``_states`` and ``_dstates`` without spills (4 spill
-200-600 bytes), ``_output`` spills 44 bytes at 2 stages, ``_dqkv`` about 2 KB at any setting.
+200-600 bytes), ``_output`` spills 44 bytes at 2 stages; ``_dqkv`` runs as two kernels (dq; dk and
+dv), which spill 304 and 1012 bytes (as one, 2 KB at any setting).
 """
 from __future__ import annotations
 
@@ -116,8 +117,10 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
         C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=msk, FINAL_S=dS is not None,
         FINAL_Z=dz is not None, num_warps=8, **stages)
-    wrap(_dqkv)[(nc, BH)](
-        q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
-        *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
-        FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=_p2(e), ROTARY=cos is not None, LOWP=lowp, MASK=msk, num_warps=8, **stages)
+    for part in (True, False):  # dq, then dk and dv
+        wrap(_dqkv)[(nc, BH)](
+            q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
+            *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
+            FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=_p2(e), ROTARY=cos is not None, LOWP=lowp, MASK=msk, DQ=part,
+            num_warps=8, **stages)
     return dq, dk, dv, dS0, dz0

@@ -68,7 +68,8 @@ def report(dt: str = "bf16", d: int = 64, e: int = 64) -> dict:
         "_output": build(_output, base, dt, lowp, 8, 2 if lowp else 1),
         "_dden": build(_dden, dict(C=launch.C, BE=launch._be(e), MASK=False), dt, lowp, 8, stages),
         "_dstates": build(_dstates, dict(nofloor, FINAL_S=True, FINAL_Z=True), dt, lowp, 8, stages),
-        "_dqkv": build(_dqkv, dict(base, BE=launch._p2(e)), dt, lowp, 8, stages),
+        "_dqkv (dq)": build(_dqkv, dict(base, BE=launch._p2(e), DQ=True), dt, lowp, 8, stages),
+        "_dqkv (dk, dv)": build(_dqkv, dict(base, BE=launch._p2(e), DQ=False), dt, lowp, 8, stages),
     }
 
 
