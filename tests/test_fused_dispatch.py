@@ -91,3 +91,17 @@ def test_the_start_check_wants_cuda_for_fused(monkeypatch):
     monkeypatch.setenv("LINEAR_ROPE_BACKEND", "fused")
     with pytest.raises(ValueError, match="fused Triton kernels need a CUDA device"):
         check_backend("cpu")
+
+
+def test_projection_operands_made_once_per_projection():
+    """The fused path's projection operands are cached while the projection is unchanged; a
+    redraw (in place) makes them again."""
+    op = pytest.importorskip("linear_rope.ops.fused.op", reason="triton is not installed")
+    w = torch.randn(20, 16)
+    first = op._projection(w, True)
+    assert op._projection(w, True) is first
+    assert first[0].dtype == torch.bfloat16 and first[0].shape == (20, 16)
+    with torch.no_grad():
+        w.mul_(2)
+    again = op._projection(w, True)
+    assert again is not first and torch.equal(again[0].float(), (2 * first[0].float()))

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op, wrap_triton
 
+from ...checks import is_compiling
 from ...features import pair_shift
 from ..bf16 import round_bf16
 from ..rope_tables import rope_pair_tables
@@ -78,6 +79,39 @@ def _backward(ctx, dout, dS, dz, *_):
 torch.library.register_autograd("linear_rope::fused_forward", _backward, setup_context=_setup)
 
 
+def _projection_of(w: torch.Tensor, lowp: bool):
+    """(wa, wb, c): the projection scaled by d^(-1/4) `[m, d]` contiguous (under ``lowp`` its bf16
+    value part wa and remainder wb, as ``parallel._projection_operands_of``; else float32, wb = wa)
+    and the pair shifts c `[m]` float32."""
+    w = w.float()
+    w16 = w * w.shape[-1] ** -0.25
+    if lowp:
+        hi = round_bf16(w16)
+        wa, wb = hi.to(torch.bfloat16), round_bf16(w16 - hi.float()).to(torch.bfloat16)
+    else:
+        wa = wb = w16.contiguous()
+    return wa, wb, pair_shift(w).contiguous()
+
+
+_PROJECTIONS: dict = {}  # (address, version, shape, dtype, device, lowp) -> (w, operands); 8 at most
+
+
+def _projection(w: torch.Tensor, lowp: bool):
+    """``_projection_of``, made once per projection while it is unchanged (eager; a redraw writes
+    in place, which bumps the version; an entry holds its ``w``), as the parallel path's cache."""
+    if is_compiling() or torch.is_inference(w) or type(w) not in (torch.Tensor, torch.nn.Parameter):  # fake, traced
+        return _projection_of(w, lowp)
+    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, lowp)
+    hit = _PROJECTIONS.get(key)
+    if hit is None:
+        with torch.no_grad():
+            hit = (w, _projection_of(w, lowp))
+        if len(_PROJECTIONS) >= 8:
+            _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
+        _PROJECTIONS[key] = hit
+    return hit[1]
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -90,14 +124,7 @@ def fused_causal(q, k, v, w, a, rotary: bool, offset: int, base: float, lowp: bo
     masked queries output 0."""
     B, H, N, d = q.shape
     m = w.shape[0]
-    w = w.detach().float()
-    w16 = w * d ** -0.25
-    if lowp:
-        hi = round_bf16(w16)
-        wa, wb = hi.to(torch.bfloat16), round_bf16(w16 - hi.float()).to(torch.bfloat16)
-    else:
-        wa = wb = w16.contiguous()
-    c = pair_shift(w).contiguous()
+    wa, wb, c = _projection(w.detach(), lowp)
     cos = sin = None
     if rotary:
         cos2, sin2 = rope_pair_tables(N, m, offset, base, a.positions, q.device, torch.float32)
