@@ -161,6 +161,14 @@ def dispatch_checks() -> dict:
         out_ac = rotary_linear_attention(qf, kf, vf, **{**kw, "output_final_state": False})
     res["autocast_dtype"] = str(out_ac.dtype)
     res["autocast_vs_bf16"] = float((out_ac.double() - out.double()).abs().max() / out.double().abs().max())
+    qg = q.detach().requires_grad_()
+    with use_backend("fused"):
+        o = rotary_linear_attention(qg, k, v, **{**kw, "output_final_state": False})
+    try:
+        torch.autograd.grad(o.float().sum(), qg, create_graph=True)
+        res["double_backward"] = None
+    except RuntimeError as ex:
+        res["double_backward"] = str(ex)
     try:
         with use_backend("fused"):
             rotary_linear_attention(q.float().abs(), k.float().abs(), v.float())

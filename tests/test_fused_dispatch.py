@@ -60,6 +60,8 @@ def test_what_the_fused_path_takes():
     assert "d = 144" in supports_fused(q2, k2, v2, w2, _args(q2, k2, v2, projection=w2), True)
     q3, k3, v3, w3 = _qkv(e=200)
     assert "e = 200" in supports_fused(q3, k3, v3, w3, _args(q3, k3, v3, projection=w3), True)
+    big = torch.empty(1, 1, 1, 16).expand(64, 64, 64 * 1024, 16)
+    assert "GiB" in supports_fused(big, big, big, w, a, True)
     q4, k4, v4, w4 = (t.double() for t in _qkv())
     assert "dtype" in supports_fused(q4, k4, v4, w4, _args(q4, k4, v4, projection=w4), True)
 
@@ -71,6 +73,7 @@ def test_auto_takes_bf16_arithmetic_only(monkeypatch):
     assert "float32 arithmetic" in fused_refusal(q, k, v, w, a, True, lowp=False, forced=False)
     assert fused_refusal(q, k, v, w, a, True, lowp=False, forced=True) is None
     assert fused_refusal(q, k, v, w, a, True, lowp=True, forced=False) is None
+    assert "block_size" in fused_refusal(q, k, v, w, a, True, lowp=True, forced=False, sizes=True)
 
 
 def test_choose_on_cuda_tensors():

@@ -74,12 +74,14 @@ def test_bfloat16_as_the_parallel_path(results, case):
 def test_the_public_op_forced_to_the_fused_path(results):
     """``LINEAR_ROPE_BACKEND=fused`` through ``rotary_linear_attention`` (CPU tensors in the
     interpreter): recorded, the direct call's results and dtypes; a bf16 autocast of float32
-    inputs gives the bf16 call's output unrounded; a call it does not take is refused."""
+    inputs gives the bf16 call's output unrounded; a call it does not take is refused; double
+    backward is a one-line RuntimeError."""
     r = results["_dispatch"]
     assert r["paths"] == ["fused path (forced)"] and r["same"], r
     assert r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32"], r
     assert r["autocast_dtype"] == "torch.float32" and r["autocast_vs_bf16"] <= 2 ** -8, r
     assert r["refused"].startswith("backend 'fused' was forced, but features given"), r
+    assert r["double_backward"].startswith("rotary_linear_attention: double backward"), r
 
 
 def test_torch_compile_sees_the_kernels():

@@ -112,7 +112,8 @@ def rotary_linear_attention(
     refusal = "not asked"
     if causal and name in ("auto", "fused") and (q.is_cuda or name == "fused"):
         lowp = compute_dtypes(q.dtype, q.device.type)[1] is not None
-        refusal = fused_refusal(q, k, v, projection, a, causal, lowp, forced=name == "fused")
+        refusal = fused_refusal(q, k, v, projection, a, causal, lowp, forced=name == "fused",
+                                sizes=chunk_size is not None or block_size is not None)
     path = choose(q, causal=causal, packed=a.docs is not None, transformed=transformed,
                   eager=not is_compiling() and not transformed, fused_refusal=refusal)
     if path == "fla":  # forced: fla-core's kernels or an error

@@ -16,6 +16,8 @@ __all__ = ["MAX_D", "MAX_E", "fused_refusal", "supports_fused", "triton_availabl
 
 MAX_D = 128  # q, k head dim (one [64, d] tile)
 MAX_E = 128  # value width (the backward's dq, dk, dv kernel holds all e at once)
+CHUNK = 64  # tokens a chunk (launch.C)
+STATE_BYTES = 4 << 30  # the states before every chunk, at most (as parallel.STATE_BYTES, counted in float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,19 +44,27 @@ def supports_fused(q, k, v, projection, a, causal: bool) -> str | None:
         return f"e = {e} outside 1..{MAX_E}"
     if q.shape[0] * q.shape[1] == 0 or q.shape[2] == 0:
         return "an empty call"
+    B, H, N = q.shape[:3]
+    states = B * H * -(-N // CHUNK) * projection.shape[0] * e * 4
+    if states > STATE_BYTES:
+        return (f"the states before every chunk take {states / 2**30:.1f} GiB (float32) > {STATE_BYTES >> 30} GiB: the "
+                f"chunk-parallel path walks the sequence in segments")
     return None
 
 
-def fused_refusal(q, k, v, projection, a, causal: bool, lowp: bool, forced: bool) -> str | None:
+def fused_refusal(q, k, v, projection, a, causal: bool, lowp: bool, forced: bool, sizes: bool = False) -> str | None:
     """None if the fused path takes the call, else why not (one line): ``supports_fused``, and
     CUDA tensors (CPU tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``) with triton
     installed. Unforced (``auto``), only bf16 arithmetic (bf16 inputs or a bf16 autocast): the
-    float32 kernels multiply in IEEE float32 without tensor cores (built for sm_90 they spill)."""
+    float32 kernels multiply in IEEE float32 without tensor cores (built for sm_90 they spill).
+    ``sizes``: ``chunk_size`` or ``block_size`` given, which the fused kernels do not take."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"tensors on {q.device.type} (the fused kernels run on CUDA)"
     if not triton_available():
         return "triton is not installed"
     why = supports_fused(q, k, v, projection, a, causal)
+    if why is None and sizes:
+        why = "chunk_size / block_size given (the fused kernels' chunk is 64 tokens, and they walk no segments)"
     if why is None and not forced and not lowp:
         why = f"{str(q.dtype)[6:]} arithmetic (auto takes the fused path for bf16; LINEAR_ROPE_BACKEND=fused forces it)"
     return why

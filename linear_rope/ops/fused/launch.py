@@ -17,10 +17,11 @@ import torch
 import triton
 
 from ...features import key_exponent_floor
+from . import CHUNK
 from .backward import _dden, _dqkv, _dstates
 from .forward import _output, _states
 
-C = 64  # tokens per chunk
+C = CHUNK  # tokens per chunk
 BM = 32  # features per block (even: RoPE pairs stay in a block)
 FLOOR = key_exponent_floor(torch.float32)
 
