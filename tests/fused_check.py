@@ -40,6 +40,7 @@ CASES = {
     "bf16": (torch.bfloat16, 2, 2, 130, 16, 40, 24, dict(offset=3, state=True)),
     "bf16_rows_mask": (torch.bfloat16, 2, 1, 70, 16, 34, 16, dict(offset=[5, 900], mask=True, state=True)),
     "bf16_m266": (torch.bfloat16, 1, 1, 80, 64, 266, 64, dict(offset=2)),
+    "bf16_d128_e65": (torch.bfloat16, 1, 2, 70, 128, 34, 65, dict(offset=9)),
 }
 NAMES = ("out", "S", "z", "dq", "dk", "dv", "dS0", "dz0")
 

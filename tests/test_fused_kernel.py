@@ -26,7 +26,7 @@ FP32 = dict(out=1e-5, S=1e-5, z=1e-5, dq=1e-4, dk=1e-4, dv=1e-4, dS0=1e-4, dz0=1
 BF16_VS_PARALLEL = 1.25  # bf16: the error at most this times the chunk-parallel path's on the same inputs
 CASES = ("fp32", "fp32_rows_mask", "fp32_n1", "fp32_norot_odd_m_e65", "fp32_m266", "fp32_strided_state_only",
          "fp32_large_qk",
-         "fp16", "fp16_mask", "bf16", "bf16_rows_mask", "bf16_m266")
+         "fp16", "fp16_mask", "bf16", "bf16_rows_mask", "bf16_m266", "bf16_d128_e65")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_float16_within_the_half_contract(results, case):
             assert err["rel"] <= HALF_CONTRACT * err["rounded"] + FP32[name], (case, name, err)
 
 
-@pytest.mark.parametrize("case", ["bf16", "bf16_rows_mask", "bf16_m266"])
+@pytest.mark.parametrize("case", ["bf16", "bf16_rows_mask", "bf16_m266", "bf16_d128_e65"])
 def test_bfloat16_as_the_parallel_path(results, case):
     """bf16 operands, float32 accumulation: the errors against float64 (max and Frobenius) those
     of the chunk-parallel path's bf16 arithmetic on the same inputs, within BF16_VS_PARALLEL."""
