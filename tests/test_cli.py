@@ -302,11 +302,11 @@ def test_a_backend_the_run_cannot_use_fails_first_and_writes_nothing(tmp_path, c
 
 
 def test_every_backend_a_cpu_run_can_use_passes_the_start_check(monkeypatch):
-    """auto, torch and parallel run anywhere (fla needs CUDA)."""
+    """auto, torch and parallel run anywhere (fla and fused need CUDA)."""
     from linear_rope.ops.backend import BACKENDS, check_backend
 
     for name in BACKENDS:
-        if name != "fla":
+        if name not in ("fla", "fused"):
             monkeypatch.setenv("LINEAR_ROPE_BACKEND", name.upper())
             assert check_backend("cpu") == name
     monkeypatch.delenv("LINEAR_ROPE_BACKEND")

@@ -7,7 +7,10 @@ The paths are its siblings, and none of them imports this module:
 * the chunk-parallel path (``parallel.py``): the default for a causal call on CUDA;
 * the composite path (``composite.py``): the causal chunk form under ``torch.func`` transforms
   and forward-mode AD;
-* fla-core's kernels (``fla_path.py``), for the eager calls ``LINEAR_ROPE_BACKEND=fla`` sends.
+* fla-core's kernels (``fla_path.py``), for the eager calls ``LINEAR_ROPE_BACKEND=fla`` sends;
+* the fused path (``fused/``): Triton kernels with the FAVOR+ features made on chip, for the
+  causal calls on CUDA tensors it takes (``auto``), or every causal call (``fused``: a refusal is
+  a ValueError).
 
 The torch ops' side (the compute dtype, padding, feature scale, empty calls and documents) is
 ``prepare.run_torch``.
@@ -22,10 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..checks import is_compiling, is_transformed
-from .backend import choose, record, takes_parallel
+from .backend import backend, choose, record, takes_parallel
 from .chunk import bidirectional, chunked_causal, documents
 from .composite import composite_causal
-from .parallel import checks_enabled
+from .fused import fused_refusal
+from .parallel import checks_enabled, compute_dtypes
 from .prepare import check_sizes, run_torch
 from .utils import LinearAttentionState, Options, check_args
 
@@ -88,8 +92,10 @@ def rotary_linear_attention(
         of a causal call, on every path (use ``torch.compile``).
 
     Paths (``LINEAR_ROPE_BACKEND``, chosen and recorded by ``backend.py``): ``auto`` takes the
-    chunk-parallel path (``parallel.py``) for causal calls on CUDA tensors and the torch path
-    elsewhere; ``parallel``, ``torch`` and ``fla`` force one. On the chunk-parallel path the
+    fused Triton kernels (``fused/``) for the causal calls on CUDA tensors that they take
+    (``fused.fused_refusal``), the chunk-parallel path (``parallel.py``) for the other causal
+    calls on CUDA tensors, and the torch path elsewhere; ``parallel``, ``torch``, ``fla`` and
+    ``fused`` force one. On the chunk-parallel path the
     checks that read tensor values are off unless ``LINEAR_ROPE_CHECKS=1`` (each would make the
     GPU wait; unread, a position past ``MAX_POSITION`` gets NaN, never another's angle).
     """
@@ -102,10 +108,20 @@ def rotary_linear_attention(
     a = check_args(q, k, v, opts, read_values=read)
     check_sizes(chunk_size, block_size, causal)
     transformed = is_transformed(q, k, v, *(a.state or ()))
+    name = backend()
+    refusal = "not asked"
+    if causal and name in ("auto", "fused") and (q.is_cuda or name == "fused"):
+        lowp = compute_dtypes(q.dtype, q.device.type)[1] is not None
+        refusal = fused_refusal(q, k, v, projection, a, causal, lowp, forced=name == "fused",
+                                sizes=chunk_size is not None or block_size is not None)
     path = choose(q, causal=causal, packed=a.docs is not None, transformed=transformed,
-                  eager=not is_compiling() and not transformed)
+                  eager=not is_compiling() and not transformed, fused_refusal=refusal)
     if path == "fla":  # forced: fla-core's kernels or an error
         return _forced_fla(q, k, v, opts._asdict())
+    if path == "fused":
+        if refusal is not None:
+            raise ValueError(f"backend 'fused' was forced, but {refusal}")
+        return _fused(q, k, v, a, opts, lowp)
     par = path == "parallel"
     if causal and torch.jit.is_tracing():  # every causal path: the same refusal
         raise RuntimeError("rotary_linear_attention: torch.jit.trace cannot record the causal paths (their "
@@ -116,6 +132,17 @@ def rotary_linear_attention(
 
 _PATHS = {"torch": chunked_causal, "composite": composite_causal, "bidirectional": bidirectional,
           "documents": documents}
+
+
+def _fused(q, k, v, a, opts, lowp: bool):
+    """The fused path (``fused/op.py``) on a call it takes: out in v's dtype (and the final state
+    S, z in float32)."""
+    from .fused.op import fused_causal
+
+    with torch.autocast(q.device.type, enabled=False):
+        out, S, z = fused_causal(q, k, v, opts.projection, a, opts.rotary, a.offset if isinstance(a.offset, int) else 0,
+                                 float(opts.base), lowp)
+    return (out, LinearAttentionState(S, z)) if opts.output_final_state else out
 
 
 def _forced_fla(q, k, v, kw):

@@ -3,9 +3,14 @@
 The backend comes from ``use_backend``'s block, else the ``LINEAR_ROPE_BACKEND`` environment
 variable, else ``"auto"``:
 
-* ``auto`` (the default): a causal call on CUDA tensors takes the chunk-parallel path
-  (``parallel.py``: plain torch ops, a fixed number of kernels at any N, no host sync); on other
-  devices the torch path's block walk (``chunk_op.py``, the fastest on a CPU).
+* ``auto`` (the default): a causal call on CUDA tensors takes the fused path (``fused/``: Triton
+  kernels with the FAVOR+ features made on chip) when it takes the call (``fused.supports_fused``:
+  FAVOR+ inside, bf16 arithmetic, d and e up to 128, triton installed), else the chunk-parallel
+  path (``parallel.py``: plain torch ops, a fixed number of kernels at any N, no host sync),
+  recording why; on other devices the torch path's block walk (``chunk_op.py``, the fastest on a
+  CPU). The fused path is never taken for CPU tensors.
+* ``fused``: the fused path for CUDA tensors; a causal call it does not take is a ValueError with
+  the reason (never a silent fallback).
 * ``parallel``: the chunk-parallel path on any device (the CPU tests and counts it).
 * ``torch``: the torch path on any device.
 * ``fla``: fla-core's chunk kernels (``fla_path.py``: causal, CUDA, ``pip install
@@ -32,7 +37,7 @@ __all__ = ["BACKENDS", "ENV_VAR", "PACKED_REASON", "TRITON_REMOVED", "backend", 
            "choose", "record", "record_paths", "takes_parallel", "use_backend"]
 
 ENV_VAR = "LINEAR_ROPE_BACKEND"
-BACKENDS = ("auto", "torch", "parallel", "fla")
+BACKENDS = ("auto", "torch", "parallel", "fla", "fused")
 TRITON_REMOVED = ("the Triton kernels (LINEAR_ROPE_BACKEND=triton) were removed from linear_rope: the "
                   "chunk-parallel path (auto on CUDA) replaced them; commit d4a32e6 is the last that has them "
                   "(docs/gpu.md)")
@@ -76,16 +81,20 @@ def _source() -> str:
 
 def takes_parallel(q: torch.Tensor, name: str | None = None) -> bool:
     """Whether the backend (``name``, else ``backend()``) sends a causal call on ``q`` to the
-    chunk-parallel path: ``parallel`` anywhere, ``auto`` for CUDA tensors."""
+    chunk-parallel path or the fused one (the GPU's paths: no host sync): ``parallel`` anywhere,
+    ``auto`` and ``fused`` for CUDA tensors."""
     name = backend() if name is None else name
-    return name == "parallel" or (name == "auto" and q.is_cuda)
+    return name == "parallel" or (name in ("auto", "fused") and q.is_cuda)
 
 
-def choose(q: torch.Tensor, *, causal: bool, packed: bool, transformed: bool, eager: bool) -> str:
-    """The path of a call on ``q``: "parallel", "torch", "composite", "bidirectional", "documents"
-    or "fla"; an eager causal call records it for ``record_paths``. ``packed``: ``cu_seqlens``
-    given; ``transformed``: under ``torch.func`` or forward-mode AD; ``eager``: neither compiling
-    nor transformed."""
+def choose(q: torch.Tensor, *, causal: bool, packed: bool, transformed: bool, eager: bool,
+           fused_refusal: str | None = "not asked") -> str:
+    """The path of a call on ``q``: "fused", "parallel", "torch", "composite", "bidirectional",
+    "documents" or "fla"; an eager causal call records it for ``record_paths``. ``packed``:
+    ``cu_seqlens`` given; ``transformed``: under ``torch.func`` or forward-mode AD; ``eager``:
+    neither compiling nor transformed; ``fused_refusal``: why the fused path does not take the
+    call (``fused.fused_refusal``), None if it does. A forced ``fused`` backend returns "fused"
+    for every causal call that is neither packed nor transformed: the op raises the refusal."""
     name = backend()
     if name == "fla" and eager:
         return "fla"  # recorded by the fla path, which refuses with the reason a call it does not take
@@ -93,9 +102,18 @@ def choose(q: torch.Tensor, *, causal: bool, packed: bool, transformed: bool, ea
         return "documents" if packed else "bidirectional"
     if transformed:
         return "composite"
+    if name == "fused" and not packed:
+        if eager and fused_refusal is None:
+            record(f"fused path ({_source()})")
+        return "fused"
     par = takes_parallel(q, name)
-    if par and not packed:
-        path, why = "parallel", "auto: CUDA tensors" if name == "auto" else _source()
+    if par and not packed and name == "auto" and fused_refusal is None:
+        path, why = "fused", "auto: CUDA tensors"
+    elif par and not packed:
+        why = "auto: CUDA tensors" if name == "auto" else _source()
+        if name == "auto" and fused_refusal != "not asked":
+            why += f"; not fused: {fused_refusal}"
+        path = "parallel"
     elif par:
         path, why = "torch", PACKED_REASON
     else:
@@ -126,7 +144,8 @@ def record(path: str) -> None:
 def check_backend(device: torch.device | str | None = None) -> str:
     """The backend ``LINEAR_ROPE_BACKEND`` names, checked once at a program's start for work on
     ``device`` (None: CUDA if available, else the CPU): a one-line ValueError for a value that run
-    could not use (an unknown name; ``triton``, removed; ``fla`` without a CUDA device or fla-core).
+    could not use (an unknown name; ``triton``, removed; ``fla`` without a CUDA device or fla-core;
+    ``fused`` without a CUDA device or triton).
     Every other backend runs on any device."""
     try:
         name = backend()
@@ -136,6 +155,12 @@ def check_backend(device: torch.device | str | None = None) -> str:
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r} is not a backend: use one of "
                          f"{', '.join(BACKENDS)}, or unset it") from None
     dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if name == "fused":
+        if dev.type != "cuda":
+            raise ValueError(f"{ENV_VAR}=fused: the fused Triton kernels need a CUDA device and this run is on "
+                             f"{dev.type}; unset {ENV_VAR} or set it to auto or torch")
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(f"{ENV_VAR}=fused: triton is not installed")
     if name == "fla":
         if dev.type != "cuda":
             raise ValueError(f"{ENV_VAR}=fla: fla-core's kernels need a CUDA device and this run is on {dev.type}; "

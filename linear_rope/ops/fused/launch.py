@@ -1,0 +1,127 @@
+"""Launches of the fused kernels: block sizes, grids, buffers. Pure functions of tensors, called
+from the ``triton_op`` bodies of ``op.py`` through ``wrap_triton`` (so Inductor sees each kernel).
+
+Block sizes: C = 64 tokens a chunk, features in blocks of BM = 32 (two halves of 16: every tile
+dim of a ``tl.dot`` at least 16), d padded to BD = next power of two >= 16, values in blocks of
+BE = min(64, next power of two of e) (``_output`` and ``_states``; the backward's ``_dqkv`` takes
+all e at once: e <= 128). Warps and stages from the sm_90 build (Triton 3.6, ptxas -v, bf16, d = e
+= 64; no GPU measured them): 8 warps leave ``_states`` and ``_dstates`` without spills (4 spill
+200-600 bytes), ``_output`` spills 44 bytes at 2 stages; ``_dqkv`` runs as two kernels (dq; dk and
+dv), which spill 304 and 1012 bytes (as one, 2 KB at any setting).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ...features import key_exponent_floor
+from . import CHUNK
+from .backward import _dden, _dqkv, _dstates
+from .forward import _output, _states
+
+C = CHUNK  # tokens per chunk
+BM = 32  # features per block (even: RoPE pairs stay in a block)
+FLOOR = key_exponent_floor(torch.float32)
+
+
+def _p2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _be(e: int) -> int:
+    return min(64, _p2(e))
+
+
+def _stages(lowp: bool) -> dict:
+    """Float32 kernels (IEEE products, no tensor cores) unpipelined: their operands go through
+    shared memory, and with Triton's default 3 stages the d = e = 128 backward asks more than
+    sm_90's 227 KiB (sm_90 build, Triton 3.6: 352 KiB; 1 stage: 224 KiB)."""
+    return {} if lowp else dict(num_stages=1)
+
+
+def _strides3(t):
+    """(batch, head, row) strides of a `[B, H, N, x]` tensor with unit last stride."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _table_args(cos, sin, mask, like):
+    """Pointers and strides of the RoPE tables (None: no rotation; a dummy pointer) and mask."""
+    if cos is None:
+        cos = sin = like
+        st = (0, 0, 0)
+    else:
+        st = (cos.stride(0), cos.stride(1), cos.stride(2)) if cos.dim() == 3 else (0, cos.stride(0), cos.stride(1))
+    sm = (mask.stride(0),) if mask is not None else (0,)
+    return cos, sin, (like if mask is None else mask), st, sm
+
+
+def forward(wrap, q, k, v, wa, wb, c, cos, sin, mask, S0, z0, lowp: bool, out_dtype: torch.dtype):
+    """out `[B, H, N, e]` (out_dtype), S `[B, H, m, e]`, z `[B, H, m]` (float32), and for the
+    backward den, rmax `[B H, N]` float32, Sb `[B H, nc, m, e]` (bf16 under lowp, else float32),
+    zb `[B H, nc, m]` float32."""
+    B, H, N, d = q.shape
+    e, m = v.shape[-1], wa.shape[0]
+    nc = triton.cdiv(N, C)
+    BH = B * H
+    dev = q.device
+    Sb = torch.empty(BH, nc, m, e, device=dev, dtype=torch.bfloat16 if lowp else torch.float32)
+    zb = torch.empty(BH, nc, m, device=dev, dtype=torch.float32)
+    S = torch.empty(B, H, m, e, device=dev, dtype=torch.float32)
+    z = torch.empty(B, H, m, device=dev, dtype=torch.float32)
+    out = torch.empty(B, H, N, e, device=dev, dtype=out_dtype)
+    den = torch.empty(BH, N, device=dev, dtype=torch.float32)
+    rmax = torch.empty(BH, N, device=dev, dtype=torch.float32)
+    cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
+    ksc = 0.5 / math.sqrt(d)
+    BD, BE = _p2(d), _be(e)
+    common = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=mask is not None,
+                  **_stages(lowp))
+    init = S0 is not None
+    wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
+        k, v, wa, wb, c, cos_, sin_, mask_, S0 if init else S, z0 if init else z, Sb, zb, S, z,
+        *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, INIT=init, num_warps=8, **common)
+    wrap(_output)[(nc, BH, triton.cdiv(e, BE))](
+        q, k, v, wa, wb, c, cos_, sin_, mask_, Sb, zb, out, den, rmax,
+        *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, num_warps=8,
+        **{**common, **({"num_stages": 2} if lowp else {})})
+    return out, S, z, den, rmax, Sb, zb
+
+
+def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, dout, dS, dz, lowp: bool):
+    """dq, dk `[B, H, N, d]` and dv `[B, H, N, e]` in the inputs' dtype, and the initial state's
+    gradients dS0 `[B, H, m, e]`, dz0 `[B, H, m]` float32. ``dS``, ``dz``: the final state's
+    gradients, or None."""
+    B, H, N, d = q.shape
+    e, m = v.shape[-1], wa.shape[0]
+    nc = triton.cdiv(N, C)
+    BH = B * H
+    dev = q.device
+    dout = dout.contiguous()
+    dden = torch.empty(BH, N, device=dev, dtype=torch.float32)
+    dSa = torch.empty(BH, nc, m, e, device=dev, dtype=torch.bfloat16 if lowp else torch.float32)
+    dza = torch.empty(BH, nc, m, device=dev, dtype=torch.float32)
+    dS0 = torch.empty(B, H, m, e, device=dev, dtype=torch.float32)
+    dz0 = torch.empty(B, H, m, device=dev, dtype=torch.float32)
+    dq = torch.empty(B, H, N, d, device=dev, dtype=q.dtype)
+    dk = torch.empty(B, H, N, d, device=dev, dtype=k.dtype)
+    dv = torch.empty(B, H, N, e, device=dev, dtype=v.dtype)
+    cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
+    ksc = 0.5 / math.sqrt(d)
+    BD, BE = _p2(d), _be(e)
+    msk = mask is not None
+    stages = _stages(lowp)
+    wrap(_dden)[(nc, BH)](dout, out, den, mask_, dden, *sm, N, H, e, C=C, BE=BE, MASK=msk, num_warps=8)
+    wrap(_dstates)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
+        q, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, dz0 if dS is None else dS,
+        dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
+        C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=msk, FINAL_S=dS is not None,
+        FINAL_Z=dz is not None, num_warps=8, **stages)
+    for part in (True, False):  # dq, then dk and dv
+        wrap(_dqkv)[(nc, BH)](
+            q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
+            *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
+            FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=_p2(e), ROTARY=cos is not None, LOWP=lowp, MASK=msk, DQ=part,
+            num_warps=8, **stages)
+    return dq, dk, dv, dS0, dz0
