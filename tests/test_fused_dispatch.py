@@ -96,15 +96,14 @@ def test_the_start_check_wants_cuda_for_fused(monkeypatch):
         check_backend("cpu")
 
 
-def test_projection_operands_made_once_per_projection():
-    """The fused path's projection operands are cached while the projection is unchanged; a
-    redraw (in place) makes them again."""
+def test_projection_operands_follow_every_write():
+    """The fused path's projection operands are made at every call (docs/caches.md): a write
+    through ``.data`` (no version counter moves) is seen at the next call."""
     op = pytest.importorskip("linear_rope.ops.fused.op", reason="triton is not installed")
     w = torch.randn(20, 16)
-    first = op._projection(w, True)
-    assert op._projection(w, True) is first
+    first = op._projection_of(w, True)
     assert first[0].dtype == torch.bfloat16 and first[0].shape == (20, 16)
-    with torch.no_grad():
-        w.mul_(2)
-    again = op._projection(w, True)
-    assert again is not first and torch.equal(again[0].float(), (2 * first[0].float()))
+    w.data.mul_(2)
+    again = op._projection_of(w, True)
+    assert torch.equal(again[0].float(), 2 * first[0].float())
+    assert not hasattr(op, "_PROJECTIONS")

@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ...checks import is_compiling
 from ...features import pair_shift
 from ..bf16 import round_bf16
 from ..rope_tables import rope_pair_tables
@@ -93,25 +92,6 @@ def _projection_of(w: torch.Tensor, lowp: bool):
     return wa, wb, pair_shift(w).contiguous()
 
 
-_PROJECTIONS: dict = {}  # (address, version, shape, dtype, device, lowp) -> (w, operands); 8 at most
-
-
-def _projection(w: torch.Tensor, lowp: bool):
-    """``_projection_of``, made once per projection while it is unchanged (eager; a redraw writes
-    in place, which bumps the version; an entry holds its ``w``), as the parallel path's cache."""
-    if is_compiling() or torch.is_inference(w) or type(w) not in (torch.Tensor, torch.nn.Parameter):  # fake, traced
-        return _projection_of(w, lowp)
-    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, lowp)
-    hit = _PROJECTIONS.get(key)
-    if hit is None:
-        with torch.no_grad():
-            hit = (w, _projection_of(w, lowp))
-        if len(_PROJECTIONS) >= 8:
-            _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
-        _PROJECTIONS[key] = hit
-    return hit[1]
-
-
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -124,7 +104,7 @@ def fused_causal(q, k, v, w, a, rotary: bool, offset: int, base: float, lowp: bo
     masked queries output 0."""
     B, H, N, d = q.shape
     m = w.shape[0]
-    wa, wb, c = _projection(w.detach(), lowp)
+    wa, wb, c = _projection_of(w.detach(), lowp)  # at every call: no cache to go stale (docs/caches.md)
     cos = sin = None
     if rotary:
         cos2, sin2 = rope_pair_tables(N, m, offset, base, a.positions, q.device, torch.float32)
