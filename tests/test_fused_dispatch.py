@@ -67,7 +67,10 @@ def test_what_the_fused_path_takes():
 
 
 def test_auto_takes_bf16_arithmetic_only(monkeypatch):
+    import linear_rope.ops.fused as fused
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets CPU tensors through the device check; nothing runs
+    monkeypatch.setattr(fused, "triton_available", lambda: True)  # the rule holds whether triton is here or not
     q, k, v, w = _qkv()
     a = _args(q, k, v, projection=w)
     assert "float32 arithmetic" in fused_refusal(q, k, v, w, a, True, lowp=False, forced=False)

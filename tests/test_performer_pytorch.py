@@ -246,7 +246,8 @@ def test_init_from_a_bidirectional_model_needs_causal(tmp_path, corpus):
 
 
 def test_a_bidirectional_model_is_no_hugging_face_causal_lm():
-    hf = pytest.importorskip("linear_rope.hf")
+    pytest.importorskip("transformers", reason="the hf extra (transformers)")
+    import linear_rope.hf as hf
     with pytest.raises(ValueError, match="^causal must be True for a causal LM"):
         hf.LinearRopeConfig(causal=False)
 
