@@ -80,7 +80,7 @@ def check_fused(graphs: list[dict], variant: str, N: int) -> None:
                            f"{', '.join(pricing.KERNELS)}")
 
 
-def design_sweep(res: dict, devices, make_row, price_us) -> list[dict]:
+def design_sweep(res: dict, devices, make_row, price_us, l2_bytes_s: float) -> list[dict]:
     """The fused rows again with the block sizes of ``pricing.ALTERNATIVES`` (C, BM): the same
     compiled step, its fused launches re-priced by the formulas (the rest unchanged). Per design
     and N: step bytes and ms, the ratios to softmax's row of the same N (tokens/s, bytes), and per
@@ -110,7 +110,7 @@ def design_sweep(res: dict, devices, make_row, price_us) -> list[dict]:
             r = make_row(row["variant"], row["N"], row["B"], *again, cfg, devices, row["params"])
             item = {**design, "N": row["N"], "step_bytes": r["step_bytes"],
                     "kernels_us_h100": {n: round(price_us(k, "h100"), 1) for n, k in layer.items()},
-                    "kernels_reread_l2_us": {n: k["reread_l2_us"] for n, k in layer.items()}}
+                    "kernels_reread_l2_us": {n: round(1e6 * k["reread_bytes"] / l2_bytes_s, 1) for n, k in layer.items()}}
             sm = soft.get(row["N"])
             for d in devices:
                 item[d] = {"step_ms": r[d]["step_ms"], "tokens_s": r[d]["tokens_s"]}

@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     res = merge(old, res)
     if any(r.get("backend") == "fused" for r in res["rows"]) and not a.quick:
         from benchmarks.gpu_fused import design_sweep
-        res["fused_designs"] = design_sweep(res, devices, make_row, price_us)
+        res["fused_designs"] = design_sweep(res, devices, make_row, price_us, RULES["l2_check_bytes_s"])
     doc = {"note": "ESTIMATES: Inductor's GPU kernels generated on a CPU and priced on a roofline; no GPU ran them",
            "command": command, "torch": torch.__version__, "triton": triton.__version__, "git_commit": _git_commit(),
            "preset": "tiny" if a.quick else "paper", "autocast": "bf16",
