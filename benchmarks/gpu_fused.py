@@ -1,106 +1,122 @@
-"""The fused kernels' stand-ins for ``benchmarks.gpu_predict --backend fused``: the design priced
-before it exists (``linear_rope/ops/fused/pricing.py``).
+"""The fused path in ``benchmarks.gpu_predict --backend fused``: the model compiled with the real
+kernels (``linear_rope/ops/fused``), each launch priced by ``linear_rope/ops/fused/pricing.py``.
 
-Four custom ops (namespace ``linear_rope_priced``), one per kernel of the design, with fake
-implementations only (their outputs' shapes: the states before every chunk, den, rowmax, delta,
-the gradients) and an autograd Function that calls K1, K2 forward and B1, B2 backward. Inductor
-keeps each as one extern kernel (nothing to fuse into an opaque op); the predictor lists it as
-``own`` and prices it by the formulas of ``pricing.py`` of the call's shapes, not by Inductor's
-count of its arguments. ``attention_core_fused()`` sends the model's causal RoPE calls with a
-FAVOR+ projection (Eq. 19) to them; everything else in the step (projections, MLP, norms, the
-loss) stays as Inductor compiles it. The ops never run: calling one is a RuntimeError.
+Under ``fused_core()`` the model's calls take the backend the package takes on CUDA by default
+(``auto``: the fused path for bf16 calls; the predictor's fake CUDA tensors are CUDA tensors to
+it), so Inductor sees the ``triton_op``s ``linear_rope::fused_forward`` / ``fused_backward`` and
+calls their kernels as user Triton kernels: ``_states``, ``_output`` forward; ``_dden``,
+``_dstates`` and ``_dqkv`` twice (DQ on, then off) backward. ``fused_kernel`` prices one such
+launch from its arguments (shapes, dtypes, constexprs) by the formulas: unique bytes priced,
+re-read bytes shown, FLOPs as executed, the grid's fill; its grid is checked against the
+formula's. ``check_fused``: a fused compilation without every launch is an error.
 """
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
-import torch
-
-from linear_rope.ops.fused.pricing import DESIGN
-
-NAMESPACE = "linear_rope_priced"
-_BF16, _F32 = torch.bfloat16, torch.float32
-
-
-def _never(*_a, **_k):
-    raise RuntimeError("a stand-in of a fused kernel, priced by benchmarks.gpu_predict: it never runs")
-
-
-def _op(name: str, schema: str, fake):
-    lib_op = f"{NAMESPACE}::{name}"
-    torch.library.define(lib_op, schema, lib=_LIB)
-    torch.library.impl(lib_op, "CompositeExplicitAutograd", lib=_LIB)(_never)
-    torch.library.register_fake(lib_op, fake, lib=_LIB)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
-
-
-_LIB = torch.library.Library(NAMESPACE, "DEF")
-
-
-def _nc(q):
-    return -(-q.shape[2] // DESIGN["C"])
-
-
-# every op takes q, k, v, w first (the predictor reads the call's shapes from them)
-K1 = _op("fused_fwd_states", "(Tensor q, Tensor k, Tensor v, Tensor w) -> (Tensor, Tensor)",
-         lambda q, k, v, w: (q.new_empty(*q.shape[:2], _nc(q), w.shape[0], v.shape[-1], dtype=_BF16),
-                             q.new_empty(*q.shape[:2], _nc(q), w.shape[0], dtype=_F32)))
-K2 = _op("fused_fwd_output", "(Tensor q, Tensor k, Tensor v, Tensor w, Tensor S, Tensor z) -> (Tensor, Tensor, Tensor)",
-         lambda q, k, v, w, S, z: (v.new_empty(v.shape, dtype=_BF16), q.new_empty(q.shape[:3], dtype=_F32),
-                                   q.new_empty(q.shape[:3], dtype=_F32)))
-B1 = _op("fused_bwd_dstates",
-         "(Tensor q, Tensor k, Tensor v, Tensor w, Tensor dout, Tensor out, Tensor den, Tensor rowmax) "
-         "-> (Tensor, Tensor, Tensor)",
-         lambda q, k, v, w, dout, out, den, rowmax: (
-             q.new_empty(*q.shape[:2], _nc(q), w.shape[0], v.shape[-1], dtype=_BF16),
-             q.new_empty(*q.shape[:2], _nc(q), w.shape[0], dtype=_F32), q.new_empty(q.shape[:3], dtype=_F32)))
-B2 = _op("fused_bwd_dqkv",
-         "(Tensor q, Tensor k, Tensor v, Tensor w, Tensor dout, Tensor den, Tensor rowmax, Tensor delta, Tensor S, "
-         "Tensor z, Tensor dS, Tensor dz) -> (Tensor, Tensor, Tensor)",
-         lambda q, k, v, w, dout, den, rowmax, delta, S, z, dS, dz: (
-             q.new_empty(q.shape, dtype=_BF16), k.new_empty(k.shape, dtype=_BF16), v.new_empty(v.shape, dtype=_BF16)))
-
-
-class FusedAttention(torch.autograd.Function):
-    """Eq. 19's causal core through the four kernels: K1, K2 forward; B1, B2 backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, w):
-        S, z = K1(q, k, v, w)
-        out, den, rowmax = K2(q, k, v, w, S, z)
-        ctx.save_for_backward(q, k, v, w, S, z, out, den, rowmax)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, w, S, z, out, den, rowmax = ctx.saved_tensors
-        dout = dout.to(_BF16)
-        dS, dz, delta = B1(q, k, v, w, dout, out, den, rowmax)
-        dq, dk, dv = B2(q, k, v, w, dout, den, rowmax, delta, S, z, dS, dz)
-        return dq, dk, dv, None
-
-
-def _fused_call(orig):
-    def call(q, k, v, *, causal=True, rotary=True, projection=None, mask=None, key_mask=None, cu_seqlens=None,
-             initial_state=None, output_final_state=False, **kw):
-        plain = (causal and rotary and projection is not None and mask is None and key_mask is None
-                 and cu_seqlens is None and initial_state is None and not output_final_state
-                 and isinstance(kw.get("offset", 0), int) and kw.get("offset", 0) == 0)
-        if not plain:
-            return orig(q, k, v, causal=causal, rotary=rotary, projection=projection, mask=mask, key_mask=key_mask,
-                        cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
-                        **kw)
-        with torch.autocast(q.device.type, enabled=False):
-            out = FusedAttention.apply(q.to(_BF16), k.to(_BF16), v.to(_BF16), projection.detach().to(_BF16))
-        return out.to(v.dtype)
-    return call
+from linear_rope.ops.fused import pricing
 
 
 @contextlib.contextmanager
-def attention_core_fused():
-    """Within the block, the layers' causal RoPE calls with a projection (``position="rope"``)
-    take the fused kernels' stand-ins; other calls take the op as it is."""
-    import linear_rope.attention as attention
-    with mock.patch.object(attention, "rotary_linear_attention", _fused_call(attention.rotary_linear_attention)):
+def fused_core():
+    """Within the block, the op's backend is ``auto`` (the package's default), whatever
+    ``LINEAR_ROPE_BACKEND`` says: on (fake) CUDA tensors, bf16 calls take the fused kernels."""
+    from linear_rope.ops.backend import use_backend
+    with use_backend("auto"):
         yield
+
+
+def _dims(x) -> list[int]:
+    return [int(s) for s in x.get_size()]
+
+
+def _const(kw: dict, name: str, default=None):
+    x = kw.get(name, default)
+    return bool(x) if isinstance(x, bool) else x
+
+
+def fused_kernel(fname: str, ir, k: dict, l2_bytes_s: float) -> dict:
+    """The entry of one launch of a fused kernel (``ir``: Inductor's UserDefinedTritonKernel),
+    priced by ``pricing.price``: a launch without a formula, or one the formulas do not cover
+    (a mask, an initial state, a final state's gradient), is an error."""
+    kw = dict(ir.kwargs)
+    name = pricing.kernel_name(fname, {"DQ": _const(kw, "DQ")})
+    for flag in ("MASK", "INIT", "FINAL_S", "FINAL_Z"):
+        if _const(kw, flag):
+            raise RuntimeError(f"fused kernel {name}: {flag} launches are not priced by linear_rope.ops.fused.pricing")
+    x = kw.get("q", kw.get("k", kw.get("do")))
+    B, H, N = _dims(x)[:3]
+    d = _dims(x)[3] if "do" not in kw or "q" in kw else 0
+    e = _dims(kw["v"])[-1] if "v" in kw else _dims(kw["do"])[-1]
+    m = _dims(kw["wa"])[0] if "wa" in kw else 0
+    lowp = bool(_const(kw, "LOWP", False))
+    rotary = bool(_const(kw, "ROTARY", False))
+    shape = pricing.Shape(B, H, N, d, m, e, itemsize=x.get_dtype().itemsize, lowp=lowp, rotary=rotary)
+    try:
+        entry = pricing.price(name, shape)
+    except KeyError as err:
+        raise RuntimeError(str(err.args[0])) from None
+    grid = getattr(ir, "grid", None)
+    if grid:
+        g = grid[0] if isinstance(grid, (list, tuple)) and isinstance(grid[0], (list, tuple)) else grid
+        programs = 1
+        for n in g:
+            programs *= int(n)
+        if programs != entry["programs"]:
+            raise RuntimeError(f"fused kernel {name}: its grid {list(g)} has {programs} programs, the formula "
+                               f"{entry['programs']}")
+    entry["reread_l2_us"] = round(1e6 * entry["reread_bytes"] / l2_bytes_s, 3)
+    return dict(k, name=name, kind="own", inductor_bytes=k["bytes"], **entry)
+
+
+def check_fused(graphs: list[dict], variant: str, N: int) -> None:
+    """Every fused launch in the compiled step, else a RuntimeError (a fused row without them)."""
+    seen = {k["name"] for g in graphs for k in g["nodes"] if k is not None and k["kind"] == "own"}
+    if not seen & set(pricing.KERNELS):
+        raise RuntimeError(f"--backend fused: none of the fused kernels ({', '.join(pricing.KERNELS)}) appears in "
+                           f"the compiled step of {variant} at N = {N}")
+    if not set(pricing.KERNELS) <= seen:
+        raise RuntimeError(f"--backend fused: the step of {variant} at N = {N} has {sorted(seen)}, not all of "
+                           f"{', '.join(pricing.KERNELS)}")
+
+
+def design_sweep(res: dict, devices, make_row, price_us, l2_bytes_s: float) -> list[dict]:
+    """The fused rows again with the block sizes of ``pricing.ALTERNATIVES`` (C, BM): the same
+    compiled step, its fused launches re-priced by the formulas (the rest unchanged). Per design
+    and N: step bytes and ms, the ratios to softmax's row of the same N (tokens/s, bytes), and per
+    layer the launches' priced time and their re-reads at the L2 check's rate (not priced)."""
+    from linear_rope.model import MODEL_PRESETS, ModelConfig
+    soft = {r["N"]: r for r in res["rows"] if r["variant"] == "softmax"}
+    out = []
+    for row in (r for r in res["rows"] if r.get("backend") == "fused"):
+        runs = [r for r in res["runs"] if r.get("backend") == "fused" and r["variant"] == row["variant"]
+                and r["N"] == row["N"]]
+        s1, s2 = (next(r for r in runs if r["depth"] == dp) for dp in (1, 2))
+        cfg = ModelConfig(**{**MODEL_PRESETS["paper"], "position": row["variant"], "depth": row["layers"]})
+        for alt in pricing.ALTERNATIVES:
+            design = {**pricing.DESIGN, **alt}
+            again, layer = [], {}
+            for s in (s1, s2):
+                s = dict(s, us=dict(s["us"]))
+                for k in (k for g in s["graphs"] for k in g["kernels"] if k["kind"] == "own"):
+                    new = dict(k, **pricing.reprice(k["name"], k["shape"], k["itemsize"], k["lowp"], k["rotary"],
+                                                    **design))
+                    s["bytes"] += new["bytes"] - k["bytes"]
+                    for d in devices:
+                        s["us"][d] += price_us(new, d) - k["us"][d]
+                    if not again:  # depth 1: one layer's launches
+                        layer[new["name"]] = new
+                again.append(s)
+            r = make_row(row["variant"], row["N"], row["B"], *again, cfg, devices, row["params"])
+            item = {**design, "N": row["N"], "step_bytes": r["step_bytes"],
+                    "kernels_us_h100": {n: round(price_us(k, "h100"), 1) for n, k in layer.items()},
+                    "kernels_reread_l2_us": {n: round(1e6 * k["reread_bytes"] / l2_bytes_s, 1) for n, k in layer.items()}}
+            sm = soft.get(row["N"])
+            for d in devices:
+                item[d] = {"step_ms": r[d]["step_ms"], "tokens_s": r[d]["tokens_s"]}
+                if sm:
+                    item[d]["vs_softmax_tokens_s"] = r[d]["tokens_s"] / sm[d]["tokens_s"]
+            if sm:
+                item["vs_softmax_bytes"] = r["step_bytes"] / sm["step_bytes"]
+            out.append(item)
+    return out

@@ -4,13 +4,14 @@
     python -m benchmarks.gpu_predict --n 1024 --variants rope,softmax --device h100 --no-decode
     python -m benchmarks.gpu_predict --quick --out /tmp/p.json   # the tiny model (the tests)
     python -m benchmarks.gpu_predict --backend fused --variants rope --n 1024,4096,16384
-        # rope's attention core as the fused kernels' design (benchmarks/gpu_fused.py stand-ins,
-        # priced by linear_rope/ops/fused/pricing.py), the JSON's other rows kept
+        # rope's attention core on the fused Triton kernels (linear_rope/ops/fused, the default on
+        # CUDA), each launch priced by linear_rope/ops/fused/pricing.py; the JSON's other rows kept
 
 How it measures: docs/performance.md, "Methods" (``benchmarks.gpu_predict``).
 
 ESTIMATES: no GPU ran anything here. The paper preset (768 wide, 12 heads of 64, m = 266) under a
-bf16 autocast, ``LINEAR_ROPE_BACKEND=parallel`` (the chunk-parallel path), B x N = 16 x 1024
+bf16 autocast, the chunk-parallel path forced (``--backend fused``: the rope rows' attention core on
+the fused Triton kernels, ``benchmarks.gpu_fused``), B x N = 16 x 1024
 tokens at every N, is compiled by Inductor *for the GPU* on the CPU (``gpu_fake_cuda``: fake CUDA
 tensors, an sm_90 device with 132 SMs; the Triton kernels are generated and never built): the
 training step's forward, loss (cross-entropy of the fp32 logits, which the trainer runs eagerly
@@ -27,27 +28,22 @@ those (no optimizer state, no transient buffers). ``Decoder.step`` (batch 8, max
 compiled the same way (inference, the state updated in place) and priced per step: one token
 for each of the 8 rows.
 
-The committed baseline (benchmarks/results/gpu_predict.json; table in docs/gpu.md, "Predicted
-GPU step"): rope 165.5 GB a step (13.8 a layer), 69.6 ms on the H100; softmax 46.1 GB, 28.1 ms.
-An earlier compilation of the same step, counted by hand, came to 177 and 47 GB (rope 14.7 a
-layer): about 7% more for rope, not traced; GEMM padding and constant folding (off here) and the
-loss (compiled here) each move a little. The hand-made cost model this replaces priced the op
-alone from formulas; this prices the whole step from what the compiler generates.
+Numbers: benchmarks/results/gpu_predict.json, tabled in docs/gpu.md ("Predicted GPU step", and
+"The fused kernels: as built, priced" for ``--backend fused``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu_predict_io import BACKENDS, DEVICES, VARIANTS, _dumps, _git_commit, _ints, merge, table
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "gpu_predict.json"
-VARIANTS = ("rope", "none", "softmax")
 LENGTHS = (1024, 4096, 8192, 16384)
 TOKENS = 16 * 1024  # B x N at every length
 DECODE_BATCH, DECODE_LEN = 8, 1024
@@ -71,8 +67,8 @@ RULES = {
     # kernel): its bytes are Inductor's count of its arguments, its FLOPs OWN_KERNEL_FLOPS' formula
     # of its argument shapes, run on the tensor cores at gemm_odd_efficiency
     "own_kernel": "bytes: its arguments; FLOPs: OWN_KERNEL_FLOPS[name](shapes) at gemm_odd_efficiency",
-    # --backend fused: the fused kernels' stand-ins (benchmarks/gpu_fused.py), priced by the
-    # formulas of linear_rope/ops/fused/pricing.py; derated by their grid's fill of the SMs
+    # --backend fused: the fused path's Triton kernels (linear_rope/ops/fused; benchmarks/gpu_fused.py),
+    # priced by the formulas of linear_rope/ops/fused/pricing.py; derated by their grid's fill of the SMs
     "own_fused_kernel": "bytes: pricing.OWN_KERNEL_BYTES (unique; re-reads shown, not priced); FLOPs: "
                         "pricing.OWN_KERNEL_FLOPS (as executed) at gemm_odd_efficiency; max(bytes, FLOPs) time "
                         "/ fill, fill = programs / (waves x 132 SMs), one program a SM",
@@ -82,11 +78,9 @@ RULES = {
 }
 # kernel function name -> FLOPs from its tensor arguments' shapes (a list of lists), for
 # RULES["own_kernel"]; a user kernel without an entry is an error (never 0 FLOPs). The fused
-# kernels' formulas (of a pricing.Shape) are pricing.OWN_KERNEL_BYTES / OWN_KERNEL_FLOPS.
+# kernels (FUSED_KERNELS) are priced by pricing.OWN_KERNEL_BYTES / OWN_KERNEL_FLOPS / OWN_KERNEL_GRID.
 OWN_KERNEL_FLOPS: dict = {}
-BACKENDS = ("parallel", "fused")
-FUSED_NAMESPACE = "linear_rope_priced"
-DEVICES = {"h100": {"name": "H100 SXM", "hbm_bytes_s": 3.35e12}, "h200": {"name": "H200", "hbm_bytes_s": 4.8e12}}
+FUSED_KERNELS = ("_states", "_output", "_dden", "_dstates", "_dqkv")  # linear_rope/ops/fused
 
 
 # -- what Inductor generated, kernel by kernel -------------------------------------------------
@@ -117,11 +111,12 @@ def _kernel(node) -> dict | None:
         fn = ir.get_kernel_and_metadata()[0]
         fname = getattr(getattr(fn, "fn", fn), "__name__", name)
         shapes = [_shape(x) for x in ins]
+        if fname in FUSED_KERNELS:  # the fused path's: priced by pricing.py's formulas
+            from benchmarks.gpu_fused import fused_kernel
+            return fused_kernel(fname, ir, k, RULES["l2_check_bytes_s"])
         if fname not in OWN_KERNEL_FLOPS:
             raise RuntimeError(f"own kernel {fname!r} has no entry in gpu_predict.OWN_KERNEL_FLOPS (never priced as 0)")
         return dict(k, name=fname, kind="own", flops=int(OWN_KERNEL_FLOPS[fname](shapes)))
-    if f".{FUSED_NAMESPACE}." in f".{name}":  # a fused kernel's stand-in: priced by pricing.py's formulas
-        return _fused_kernel(name, [_shape(x) for x in ins], k)
     short = name.rsplit(".", 1)[-1] if not name.endswith(".default") else name.split(".")[-2]
     if short in ("mm", "bmm", "addmm", "baddbmm", "bmm_dtype", "mm_dtype", "addmm_dtype") and len(ins) >= 2:
         a, out = ins[-2], _shape(ir)
@@ -146,20 +141,6 @@ def _kernel(node) -> dict | None:
             f = 4 * q[0] * q[1] * q[2] * kk[2] * q[3] * (0.5 if causal else 1.0)
             k.update(kind="flash_bwd" if bwd else "flash_fwd", flops=int(f * (2.5 if bwd else 1.0)), causal=causal)
     return k
-
-
-def _fused_kernel(name: str, shapes, k: dict) -> dict:
-    """A stand-in of benchmarks/gpu_fused.py (q, k, v [B, H, N, d | e], w [m, d] its first
-    arguments) priced by ``pricing.price``: a name without a pricing entry is an error."""
-    from linear_rope.ops.fused import pricing
-    op = name.split(".")[-2] if name.endswith(".default") else name.rsplit(".", 1)[-1]
-    (B, H, N, d), v, (m, _) = shapes[0], shapes[2], shapes[3]
-    try:
-        entry = pricing.price(op, pricing.Shape(B, H, N, d, m, v[-1]))
-    except KeyError as e:
-        raise RuntimeError(str(e.args[0])) from None
-    entry["reread_l2_us"] = round(1e6 * entry["reread_bytes"] / RULES["l2_check_bytes_s"], 3)
-    return dict(k, name=op, kind="own", **entry)
 
 
 def price_us(k: dict, device: str) -> float:
@@ -296,22 +277,18 @@ def make_row(variant: str, N: int, B: int, s1: dict, s2: dict, cfg, devices, n_p
 
 
 def _compile_train_as(backend: str, variant: str, N: int, B: int, depth: int, quick: bool) -> list[dict]:
-    """``compile_train`` with the attention core on ``backend``: ``parallel`` (the chunk-parallel
-    path, as the package runs it), ``fused`` (rope only: the fused kernels' stand-ins,
-    ``benchmarks.gpu_fused``); a fused compilation in which none of them appears is an error."""
+    """``compile_train`` with the attention core on ``backend``: ``parallel`` (forced: the
+    chunk-parallel path), ``fused`` (rope only: the package's default on CUDA, ``auto``, which
+    takes the fused Triton kernels for bf16 calls; ``benchmarks.gpu_fused``); a fused compilation
+    without every fused launch is an error."""
+    from linear_rope.ops.backend import use_backend
     if backend == "parallel":
-        return compile_train(variant, N, B, depth, quick)
-    from benchmarks.gpu_fused import attention_core_fused
-    from linear_rope.ops.fused.pricing import KERNELS
-    with attention_core_fused():
+        with use_backend("parallel"):
+            return compile_train(variant, N, B, depth, quick)
+    from benchmarks.gpu_fused import check_fused, fused_core
+    with fused_core():
         graphs = compile_train(variant, N, B, depth, quick)
-    seen = {k["name"] for g in graphs for k in g["nodes"] if k is not None and k["kind"] == "own"}
-    if not seen & set(KERNELS):
-        raise RuntimeError(f"--backend fused: none of the fused kernels ({', '.join(KERNELS)}) appears in the "
-                           f"compiled step of {variant} at N = {N}")
-    if seen != set(KERNELS):
-        raise RuntimeError(f"--backend fused: the step of {variant} at N = {N} has {sorted(seen)}, not all of "
-                           f"{', '.join(KERNELS)}")
+    check_fused(graphs, variant, N)
     return graphs
 
 
@@ -351,112 +328,6 @@ def predict(variants, lengths, devices, decode: bool, quick: bool = False, log=p
     return out
 
 
-def design_sweep(res: dict, devices) -> list[dict]:
-    """The fused rows again with each design of ``pricing.ALTERNATIVES`` (C, BM, BE, tables,
-    query max): the same compiled step, its own kernels re-priced by the formulas (the rest
-    unchanged; the saved bytes are the compiled design's). Per design and N: step bytes and ms,
-    the ratios to softmax's row of the same N (tokens/s, bytes), and per layer the fused
-    kernels' priced time and their re-reads at RULES["l2_check_bytes_s"] (not priced)."""
-    from linear_rope.model import MODEL_PRESETS, ModelConfig
-    from linear_rope.ops.fused import pricing
-    soft = {r["N"]: r for r in res["rows"] if r["variant"] == "softmax"}
-    out = []
-    for row in (r for r in res["rows"] if r.get("backend") == "fused"):
-        runs = [r for r in res["runs"] if r.get("backend") == "fused" and r["variant"] == row["variant"]
-                and r["N"] == row["N"]]
-        s1, s2 = (next(r for r in runs if r["depth"] == dp) for dp in (1, 2))
-        cfg = ModelConfig(**{**MODEL_PRESETS["paper"], "position": row["variant"], "depth": row["layers"]})
-        for alt in pricing.ALTERNATIVES:
-            design = {**pricing.DESIGN, **alt}
-            again, layer = [], {}
-            for s in (s1, s2):
-                s = dict(s, us=dict(s["us"]))
-                for k in (k for g in s["graphs"] for k in g["kernels"] if k["kind"] == "own"):
-                    new = dict(k, **pricing.reprice(k["name"], k["shape"], **design))
-                    s["bytes"] += new["bytes"] - k["bytes"]
-                    for d in devices:
-                        s["us"][d] += price_us(new, d) - k["us"][d]
-                    if not again:  # depth 1: one layer's four kernels
-                        layer[new["name"]] = new
-                again.append(s)
-            r = make_row(row["variant"], row["N"], row["B"], *again, cfg, devices, row["params"])
-            item = {**design, "N": row["N"], "step_bytes": r["step_bytes"],
-                    "kernels_us_h100": {n: round(price_us(k, "h100"), 1) for n, k in layer.items()},
-                    "kernels_reread_l2_us": {n: round(1e6 * k["reread_bytes"] / RULES["l2_check_bytes_s"], 1)
-                                             for n, k in layer.items()}}
-            sm = soft.get(row["N"])
-            for d in devices:
-                item[d] = {"step_ms": r[d]["step_ms"], "tokens_s": r[d]["tokens_s"]}
-                if sm:
-                    item[d]["vs_softmax_tokens_s"] = r[d]["tokens_s"] / sm[d]["tokens_s"]
-            if sm:
-                item["vs_softmax_bytes"] = r["step_bytes"] / sm["step_bytes"]
-            out.append(item)
-    return out
-
-
-def merge(old: dict | None, new: dict) -> dict:
-    """``new``'s rows and runs in place of ``old``'s of the same (backend, variant, N); ``old``'s
-    others kept (a row without a backend is a ``parallel`` one); ``old``'s decode kept when
-    ``new`` has none. Rows ordered by N, backend (parallel first), variant."""
-    if not old:
-        return new
-    key = lambda r: (r.get("backend", "parallel"), r["variant"], r["N"])  # noqa: E731
-    done = {key(r) for r in new["rows"]}
-    made = {"command": old.get("command"), "git_commit": old.get("git_commit")}  # an older row's provenance
-    rows = [{**made, **r, "backend": r.get("backend", "parallel")} for r in old.get("rows", []) if key(r) not in done]
-    runs = [dict(r, backend=r.get("backend", "parallel")) for r in old.get("runs", []) if key(r) not in done]
-    def order(r):
-        return r["N"], BACKENDS.index(r["backend"]), VARIANTS.index(r["variant"]), r.get("depth", 0)
-    out = dict(new, rows=sorted(rows + new["rows"], key=order), runs=sorted(runs + new["runs"], key=order))
-    if "decode" not in new and "decode" in old:
-        out["decode"] = old["decode"]
-    return out
-
-
-def _git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "linear_rope"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return head.stdout.strip() + ("+dirty(linear_rope)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def table(res: dict, devices) -> str:
-    lines = []
-    for d in devices:
-        lines.append(f"{DEVICES[d]['name']} (predicted)            GB/layer  GB/step  ms/step   tokens/s    MFU  "
-                     "saved GB  vs softmax (tokens/s, bytes)")
-        soft = {r["N"]: r for r in res["rows"] if r["variant"] == "softmax"}
-        for r in res["rows"]:
-            if d not in r:
-                continue
-            sm = soft.get(r["N"])
-            ratio = f"{r[d]['tokens_s'] / sm[d]['tokens_s']:.2f}x {r['step_bytes'] / sm['step_bytes']:.2f}x" \
-                if sm and d in sm else "-"
-            lines.append(f"{r['variant']:<8} {r.get('backend', 'parallel'):<8} N={r['N']:<6} B={r['B']:<3} "
-                         f"{r['layer_bytes'] / 1e9:8.2f} {r['step_bytes'] / 1e9:8.1f} {r[d]['step_ms']:8.1f} "
-                         f"{r[d]['tokens_s'] / 1e3:9.0f}K {100 * r[d]['mfu']:5.1f}% "
-                         f"{r['step_saved_bytes'] / 1e9:8.1f}  "
-                         f"{ratio}")
-    if "decode" in res:
-        dd = res["decode"]
-        ms = ", ".join(f"{DEVICES[d]['name']} {v:.3f} ms" for d, v in dd["ms_per_step"].items())
-        lines.append(f"decode (rope, batch {dd['batch']}): {dd['bytes_per_step'] / 1e9:.3f} GB a step "
-                     f"(one token per row), {dd['kernels']} kernels, {ms}")
-    return "\n".join(lines)
-
-
-def _ints(text: str):
-    """Lengths from "1024,4096": positive multiples of 64 (whole chunks), else None."""
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        return None
-    return vals if vals and all(v >= 64 and v % 64 == 0 for v in vals) else None
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_predict", allow_abbrev=False,
@@ -468,9 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help=f"the JSON (default {OUT.relative_to(ROOT)})")
     ap.add_argument("--quick", action="store_true", help="the tiny model at N = 64, 128 (tests)")
     ap.add_argument("--backend", default="parallel", choices=BACKENDS,
-                    help="the rope variant's attention core: the chunk-parallel path, or the fused kernels' "
-                         "stand-ins priced by linear_rope/ops/fused/pricing.py (the JSON keeps the other "
-                         "backend's rows)")
+                    help="the rope variant's attention core: the chunk-parallel path (forced), or the fused "
+                         "Triton kernels (auto), priced by linear_rope/ops/fused/pricing.py (the JSON keeps the "
+                         "other backend's rows)")
     a = ap.parse_args(argv)
     variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
     if not variants or any(v not in VARIANTS for v in variants):
@@ -503,12 +374,13 @@ def main(argv=None) -> int:
         old = None  # another preset's rows are not kept
     res = merge(old, res)
     if any(r.get("backend") == "fused" for r in res["rows"]) and not a.quick:
-        res["fused_designs"] = design_sweep(res, devices)
+        from benchmarks.gpu_fused import design_sweep
+        res["fused_designs"] = design_sweep(res, devices, make_row, price_us, RULES["l2_check_bytes_s"])
     doc = {"note": "ESTIMATES: Inductor's GPU kernels generated on a CPU and priced on a roofline; no GPU ran them",
            "command": command, "torch": torch.__version__, "triton": triton.__version__, "git_commit": _git_commit(),
            "preset": "tiny" if a.quick else "paper", "autocast": "bf16",
-           "backend": "per row: parallel (the chunk-parallel path) or fused (the fused kernels' stand-ins, priced "
-                      "by linear_rope/ops/fused/pricing.py); each row names its command and commit",
+           "backend": "per row: parallel (the chunk-parallel path) or fused (the fused Triton kernels, each launch "
+                      "priced by linear_rope/ops/fused/pricing.py); each row names its command and commit",
            "optimizer": "not included", "rules": RULES, "devices": {d: DEVICES[d] for d in devices}, **res}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
@@ -517,25 +389,6 @@ def main(argv=None) -> int:
     print(table(res, devices))
     print(f"wrote {out}")
     return 0
-
-
-def _dumps(doc) -> str:
-    """JSON with one kernel a line (the file stays readable and diffable)."""
-    rows = []
-
-    def compact(obj):
-        if isinstance(obj, dict):
-            return {k: ([compact_row(x) for x in v] if k == "kernels" and isinstance(v, list) else compact(v))
-                    for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [compact(x) for x in obj]
-        return obj
-
-    def compact_row(k):
-        rows.append(json.dumps(k, separators=(",", ":")))
-        return f"@@{len(rows) - 1}@@"
-    text = json.dumps(compact(doc), indent=1)
-    return re.sub(r'"@@(\d+)@@"', lambda m: rows[int(m.group(1))], text) + "\n"
 
 
 if __name__ == "__main__":

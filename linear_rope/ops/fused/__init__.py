@@ -1,5 +1,5 @@
 """The fused path: causal Eq. 19 with FAVOR+ features made on chip (Triton kernels, never a
-feature tensor in memory). ``pricing.py`` prices the design for ``benchmarks.gpu_predict``. ``op.py`` holds the op (``torch.library.triton_op``s and their
+feature tensor in memory). ``pricing.py`` prices the kernels as built for ``benchmarks.gpu_predict``. ``op.py`` holds the op (``torch.library.triton_op``s and their
 autograd), ``launch.py`` the launches, ``forward.py`` / ``backward.py`` / ``common.py`` the
 kernels. This module imports no triton: ``supports_fused`` says whether a call can take the
 path, ``triton_available`` whether triton is installed.

@@ -1,31 +1,31 @@
-"""The fused kernels' price, before they exist: formulas for ``benchmarks.gpu_predict``.
+"""The fused kernels' price, as built: formulas for ``benchmarks.gpu_predict``, read from the
+kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 
-The design (fla's chunk form; docs/gpu.md, "The fused kernel: design and predicted step"): four
-kernels a layer, the FAVOR+ features (q @ w, exp, RoPE) made on chip and never stored.
+Five kernels, six launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
+the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
+``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched twice (grid (nc, BH)):
+``_dqkv[dq]`` (DQ on: dq) and ``_dqkv[dkv]`` (DQ off: dk, dv). Mb = cdiv(m, BM) feature blocks
+of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``: all e, p2(e)),
+BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
 
-* ``fused_fwd_states`` (K1), grid (BH, mp/BM, cdiv(e,BE)), serial over the nc = N/C chunks: the
-  key features of a [C, BM] tile, rotated; writes the state *before* every chunk, S [BH, nc, m, e]
-  bf16 and z [BH, nc, m] fp32 (the final state only when asked: not in training).
-* ``fused_fwd_output`` (K2), grid (nc, BH, cdiv(e,BE)): the query features in two passes over
-  the feature blocks (pass 1: q @ w for the row max, recomputed in pass 2), the chunk's key
-  features again; out = (rq S + tril(rq rk^T) v) / (fq z + rowsum(tril(fq fk^T))); writes out
-  [BH, N, e] bf16, den and rowmax [BH, N] fp32.
-* ``fused_bwd_dstates`` (B1), grid like K1, reverse serial: the query features again (stored
-  rowmax, one pass); dS, dz of the state before every chunk [BH, nc, m, e] bf16, [BH, nc, m]
-  fp32; delta = rowsum(dout * out) [BH, N] fp32 (written by the first feature block).
-* ``fused_bwd_dqkv`` (B2), grid (nc, BH) (all e in one program: dq, dk sum over it): fq, fk,
-  rq, rk again; every product of the backward; dq, dk through the projection; writes dq, dk,
-  dv bf16.
+Bytes: what the kernels' ``tl.load`` / ``tl.store`` ask of global memory, lane by lane (the
+active lanes of each masked access, times the element size), as Triton's interpreter counts them
+(``tests/test_fused_bytes.py`` holds each formula to the count). Split into *unique* (each
+tensor once: what the roofline prices) and *re-read* (the rest: the same bytes again, by other
+programs or other feature blocks; meant to hit L2; shown, not priced). Inputs of ``itemsize``
+(q, k, v, out, dout, dq, dk, dv); under ``lowp`` (bf16 arithmetic) the projection as two bf16
+parts wa, wb (else one float32: 4 bytes a weight either way) and the per-chunk states Sb, dSa
+bf16 (else float32); c, z, den, rmax, dden and the RoPE tables float32. The tables are strided
+views (cos, sin of each pair: every other column of two [N, m] tables), shared by all B H:
+ceil(m / 2) floats a token each. No mask, no initial state, no final state's gradient (the
+training step's calls).
 
-FLOPs are counted *as executed* on the tensor cores: m padded to mp = cdiv(m, BM) * BM (266 ->
-320 at BM = 64), full [C, C] tiles (no causal skipping inside a chunk), the projection GEMMs with
-K doubled (w in bf16 hi + lo parts, for fp32-like features from bf16 operands), every
-recomputation; every feature GEMM repeated per value block where BE < e. Elementwise work (exp,
-the rotation, the masks) runs on the CUDA cores beside them and is not counted. Bytes: *unique*
-(each tensor once from HBM; the roofline prices these) and *re-read* (the same bytes again, by
-the other programs of the grid: from L2 when it holds them; shown, not priced). The states are
-stored at m rows (masked stores), not mp. The key features' stabiliser is assumed a constant per
-head known before K1 (not priced); the optimizer is not included, as in the rest of the step.
+FLOPs: those executed on the tensor cores (``tl.dot``), tile by tile: every chunk of C tokens in
+full (no causal skipping in the [C, C] tiles), m padded to Mb · BM (266 -> 288), d to BD, e to
+BE, the projection GEMMs twice under lowp (wa and wb along K), every recomputation (``_output``
+makes the query exponents twice: the row max's pass, then the features). The elementwise work
+(exp, the rotation, the cumulative sums, ``_dden``'s row dot products) runs beside them on the
+CUDA cores and is not counted.
 
 A kernel without an entry here is an error in the predictor, never 0.
 """
@@ -34,24 +34,33 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["DESIGN", "KERNELS", "OWN_KERNEL_BYTES", "OWN_KERNEL_FLOPS", "OWN_KERNEL_GRID", "SMS", "Shape",
-           "fill", "price", "reprice", "ALTERNATIVES"]
+           "count", "fill", "price", "reprice", "ALTERNATIVES", "kernel_name"]
 
-SMS = 132  # H100 SXM / H200: one program a SM at a time (the tiles fill its registers)
-# The design priced (C: tokens a chunk; BM: features a block; BE: value columns a block): the one
-# docs/gpu.md recommends after trying others (``alternatives``)
-DESIGN = {"C": 64, "BM": 64, "BE": 64, "tables": "hbm", "query_max": "two_pass"}
-KERNELS = ("fused_fwd_states", "fused_fwd_output", "fused_bwd_dstates", "fused_bwd_dqkv")
+SMS = 132  # H100 SXM / H200: one program a SM at a time (8 warps, the tiles fill its registers)
+DESIGN = {"C": 64, "BM": 32}  # launch.C, launch.BM
+# the launches of a layer's step, in order (the backward's _dqkv twice)
+KERNELS = ("_states", "_output", "_dden", "_dstates", "_dqkv[dq]", "_dqkv[dkv]")
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _p2(x: int) -> int:
+    return max(16, 1 << (max(int(x), 1) - 1).bit_length())
+
+
+def kernel_name(fn_name: str, constexprs: dict) -> str:
+    """The launch's name in KERNELS: the kernel function's, ``_dqkv`` by its DQ flag."""
+    if fn_name == "_dqkv":
+        return "_dqkv[dq]" if constexprs.get("DQ") else "_dqkv[dkv]"
+    return fn_name
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A call's sizes: q, k [B, H, N, d], v [B, H, N, e], the projection [m, d]; the design's
-    C, BM, BE; ``itemsize``: q, k, v, out and the stored states (bf16: 2); fp32 for z, den,
-    rowmax, delta and the RoPE tables."""
+    """A call's sizes: q, k [B, H, N, d], v [B, H, N, e], the projection [m, d]; the kernels'
+    C and BM; ``itemsize`` of the inputs; ``lowp``: bf16 arithmetic; ``rotary``: RoPE tables read."""
     B: int
     H: int
     N: int
@@ -60,15 +69,9 @@ class Shape:
     e: int
     C: int = DESIGN["C"]
     BM: int = DESIGN["BM"]
-    BE: int = DESIGN["BE"]
     itemsize: int = 2
-    final_state: bool = False
-    # RoPE's cos / sin: "hbm", read from [N, m] fp32 tables (re-read by every program); "chip",
-    # made from the positions on chip (no table bytes; sin / cos beside the exp)
-    tables: str = DESIGN["tables"]
-    # the query features' row max: "two_pass" (pass 1 recomputes q @ w over every feature block),
-    # "online" (one pass, the row's partial sums rescaled when its max grows, as flash attention does)
-    query_max: str = DESIGN["query_max"]
+    lowp: bool = True
+    rotary: bool = True
 
     @property
     def BH(self) -> int:
@@ -79,128 +82,161 @@ class Shape:
         return _cdiv(self.N, self.C)
 
     @property
-    def mp(self) -> int:  # the features as the tiles compute them
-        return _cdiv(self.m, self.BM) * self.BM
+    def Mb(self) -> int:  # feature blocks
+        return _cdiv(self.m, self.BM)
 
     @property
-    def nm(self) -> int:
-        return _cdiv(self.m, self.BM)
+    def mp(self) -> int:  # the features as the tiles compute them
+        return self.Mb * self.BM
+
+    @property
+    def BD(self) -> int:
+        return _p2(self.d)
+
+    @property
+    def BE(self) -> int:  # _states, _output, _dstates
+        return min(64, _p2(self.e))
 
     @property
     def ne(self) -> int:
         return _cdiv(self.e, self.BE)
 
-    # bytes of one tensor each, once
     @property
-    def qk(self) -> int:  # q or k
-        return self.BH * self.N * self.d * self.itemsize
-
-    @property
-    def ve(self) -> int:  # v, out, dout, dv
-        return self.BH * self.N * self.e * self.itemsize
+    def BEq(self) -> int:  # _dqkv: all e in one block
+        return _p2(self.e)
 
     @property
-    def row(self) -> int:  # den, rowmax or delta, fp32
-        return self.BH * self.N * 4
+    def sS(self) -> int:  # an element of Sb, dSa
+        return 2 if self.lowp else 4
 
     @property
-    def w(self) -> int:  # the projection's hi and lo parts, bf16 (one a layer, shared by the heads)
-        return 2 * self.m * self.d * 2
+    def L(self) -> int:  # GEMMs a projection product takes (wa, wb under lowp)
+        return 2 if self.lowp else 1
+
+    # per (batch, head): bytes over all N tokens
+    @property
+    def q(self) -> int:  # q or k rows
+        return self.N * self.d * self.itemsize
 
     @property
-    def tab(self) -> int:  # RoPE's cos and sin [N, m] fp32 (shared by the heads), when read from HBM
-        return 2 * self.N * self.m * 4 if self.tables == "hbm" else 0
+    def v(self) -> int:  # v, out, dout rows
+        return self.N * self.e * self.itemsize
 
     @property
-    def passes(self) -> int:  # passes over the feature blocks for the query row max (K2)
-        return 2 if self.query_max == "two_pass" else 1
+    def tab(self) -> int:  # cos, sin of the pairs, float32, over all N tokens
+        return 8 * self.N * _cdiv(self.m, 2) if self.rotary else 0
 
     @property
-    def states(self) -> int:  # S (or dS) before every chunk [BH, nc, m, e]
-        return self.BH * self.nc * self.m * self.e * self.itemsize
+    def w(self) -> int:  # the projection's features, once: wa + wb (bf16) or w (float32), and c
+        return 4 * self.m * self.d + 4 * self.m
 
     @property
-    def zs(self) -> int:  # z (or dz) before every chunk [BH, nc, m] fp32
-        return self.BH * self.nc * self.m * 4
+    def states(self) -> int:  # Sb or dSa stored before / after every chunk, and zb or dza, per (b, h)
+        return self.nc * self.m * (self.e * self.sS + 4)
 
     @property
-    def feat(self) -> int:  # one [C, 2d] x [2d, mp] feature GEMM (hi/lo: K doubled), a chunk
-        return 2 * self.C * (2 * self.d) * self.mp
+    def final(self) -> int:  # S, z (or dS0, dz0) float32, per (b, h)
+        return self.m * (self.e + 1) * 4
 
 
-def _k1_bytes(s: Shape):
-    progs = s.BH * s.nm * s.ne
-    final = s.BH * s.m * (s.e * 4 + 4) if s.final_state else 0
-    unique = s.qk + s.ve + s.w + s.tab + s.states + s.zs + final
-    reread = ((s.nm * s.ne - 1) * s.qk + (s.nm - 1) * s.ve  # k by every (m, e) block, v by every m block
-              + (s.BH * s.ne - 1) * s.tab + (progs - 1) * s.w)  # tables, w: a slice a program
-    return unique, reread
+def _states(s: Shape):
+    """(loads, stores, unique): every (feature, value) block program reads the chunk's k, its v
+    slice, its rows of w and c, the tables; stores the state before every chunk, then the final."""
+    loads = s.BH * (s.ne * s.Mb * s.q + s.Mb * s.v + s.ne * s.nc * s.w + s.ne * s.tab)
+    stores = s.BH * (s.states + s.final)
+    return loads, stores, s.BH * (s.q + s.v) + s.w + s.tab + stores
 
 
-def _k1_flops(s: Shape) -> int:
-    per_chunk = s.ne * s.feat + 2 * s.C * s.mp * s.e  # key features (per value block), rk^T v
-    return s.BH * s.nc * per_chunk
+def _output(s: Shape):
+    """A program per (chunk, bh, value block): q, k, its v slice once; w and c three times (the
+    row max's pass, q's and k's features), the tables, Sb and zb once; stores out, den, rmax."""
+    loads = s.BH * (s.ne * 2 * s.q + s.v + s.ne * s.nc * 3 * s.w + s.ne * s.tab
+                    + s.nc * s.m * s.e * s.sS + s.ne * s.nc * 4 * s.m)
+    stores = s.BH * (s.v + 8 * s.N)
+    return loads, stores, s.BH * (2 * s.q + s.v + s.states) + s.w + s.tab + stores
 
 
-def _k2_bytes(s: Shape):
-    progs = s.nc * s.BH * s.ne
-    unique = 2 * s.qk + 2 * s.ve + s.states + s.zs + s.w + s.tab + 2 * s.row  # q k v S z w tables | out den rowmax
-    reread = ((s.ne - 1) * (2 * s.qk + s.zs) + (s.BH * s.ne - 1) * s.tab
-              + (s.passes * progs - 1) * s.w)  # w once a pass over the feature blocks, a program
-    return unique, reread
+def _dden(s: Shape):
+    """dout, out, den in; dden out: each once."""
+    loads = s.BH * (2 * s.v + 4 * s.N)
+    stores = s.BH * 4 * s.N
+    return loads, stores, loads + stores
 
 
-def _k2_flops(s: Shape) -> int:
-    C, mp, e = s.C, s.mp, s.e
-    feats = (s.passes + 1) * s.feat  # q (pass 1, for the row max), q again (pass 2), the chunk's keys
-    per_chunk = (s.ne * feats + 2 * C * mp * e  # rq @ S
-                 + s.ne * 2 * (2 * C * C * mp)  # rq @ rk^T and fq @ fk^T, full [C, C] tiles
-                 + 2 * C * C * e + s.ne * 2 * C * mp)  # tril(A) @ v; fq @ z
-    return s.BH * s.nc * per_chunk
+def _dstates(s: Shape):
+    """As ``_states``: every block program reads q, rmax, den, dden, its dout slice, its rows of w
+    and c, the tables; stores the states' gradients after every chunk, then the initial one's."""
+    loads = s.BH * (s.ne * s.Mb * (s.q + 12 * s.N) + s.Mb * s.v + s.ne * s.nc * s.w + s.ne * s.tab)
+    stores = s.BH * (s.states + s.final)
+    return loads, stores, s.BH * (s.q + s.v + 12 * s.N) + s.w + s.tab + stores
 
 
-def _b1_bytes(s: Shape):
-    progs = s.BH * s.nm * s.ne
-    unique = s.qk + 2 * s.ve + 3 * s.row + s.w + s.tab + s.states + s.zs  # q dout out den rowmax delta w tables | dS dz
-    reread = ((s.nm * s.ne - 1) * (s.qk + 2 * s.row) + (s.nm * s.ne - 1) * 2 * s.ve
-              + (s.BH * s.ne - 1) * s.tab + (progs - 1) * s.w)
-    return unique, reread
+def _dqkv(s: Shape, dq: bool):
+    """A program per (chunk, bh), all e: q, k, v, dout, rmax, den, dden once; w and c twice (q's
+    and k's features) and wa once more (dq or dk through it), the tables, Sb and zb (dq) or dSa
+    and dza (dk, dv) once; stores dq, or dk and dv."""
+    wa = s.m * s.d * (2 if s.lowp else 4)
+    loads = s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + wa + s.m * s.e * s.sS + 4 * s.m) + s.tab)
+    stores = s.BH * (s.q if dq else s.q + s.v)
+    return loads, stores, s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.states) + s.w + s.tab + stores
 
 
-def _b1_flops(s: Shape) -> int:
-    per_chunk = s.ne * s.feat + 2 * s.C * s.mp * s.e + s.ne * 2 * s.C * s.mp  # q features; rq^T g; fq^T dden
-    return s.BH * s.nc * per_chunk
+_COUNTS = {"_states": _states, "_output": _output, "_dden": _dden, "_dstates": _dstates,
+           "_dqkv[dq]": lambda s: _dqkv(s, True), "_dqkv[dkv]": lambda s: _dqkv(s, False)}
 
 
-def _b2_bytes(s: Shape):
-    unique = (3 * s.qk + 2 * s.ve + 3 * s.row + 2 * s.states + 2 * s.zs + s.w + s.tab  # q k v dout den rowmax
-              + 2 * s.qk + s.ve)  # delta S dS z dz w tables | dq dk dv
-    reread = (s.BH - 1) * s.tab + (s.nc * s.BH - 1) * s.w
-    return unique, reread
+def count(name: str, s: Shape) -> tuple[int, int]:
+    """(loads, stores) in bytes, as Triton's interpreter counts them for one launch."""
+    loads, stores, _ = _COUNTS[name](s)
+    return loads, stores
 
 
-def _b2_flops(s: Shape) -> int:
-    C, mp, e = s.C, s.mp, s.e
-    cc_m, cc_e, cme = 2 * C * C * mp, 2 * C * C * e, 2 * C * mp * e
-    per_chunk = (2 * s.feat  # fq, fk recomputed (rq, rk: the rotation, elementwise)
-                 + cc_m + cc_e  # A = rq rk^T again, dA = g v^T
-                 + cme + cc_m  # d rq = g S^T + tril(dA) rk
-                 + cc_m + cme  # d rk = tril(dA)^T rq + v dS_after^T
-                 + cc_e + cme  # dv = tril(A)^T g + rk dS_after
-                 + 2 * cc_m  # d fq = tril(dden) fk, d fk = tril(dden)^T fq (the denominator's intra-chunk part)
-                 + 2 * s.feat)  # dq, dk = d(qw) @ w, d(kw) @ w (hi/lo: K doubled)
-    return s.BH * s.nc * per_chunk
+def _bytes(name: str):
+    def f(s: Shape):
+        loads, stores, unique = _COUNTS[name](s)
+        return unique, loads + stores - unique
+    return f
+
+
+# FLOPs: per program and chunk (or per chunk for the (chunk, bh) grids), then times the grid
+def _feat(s: Shape) -> int:  # the exponents of one feature block (two halves) of a chunk: [C, BD] @ [BD, BM]
+    return 2 * s.C * s.BM * s.BD * s.L
+
+
+def _states_flops(s: Shape) -> int:  # k's features; S += Rk^T v (two halves)
+    return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
+
+
+def _output_flops(s: Shape) -> int:
+    C, BM, BE = s.C, s.BM, s.BE
+    block = 3 * _feat(s) + 2 * C * BM * BE + 2 * C * C * BM  # q twice, k; num += Rq Sb; A += Rq Rk^T
+    return s.BH * s.ne * s.nc * (s.Mb * block + s.L * 2 * C * C * BE)  # tril(A) v (two bf16 parts under lowp)
+
+
+def _dstates_flops(s: Shape) -> int:  # q's features; dS += Rq^T dnum
+    return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
+
+
+def _dqkv_flops(s: Shape, dq: bool) -> int:
+    C, BM, BE, BD = s.C, s.BM, s.BEq, s.BD
+    # dA = g v^T; q's and k's features and the exponents' gradients through wa, every block
+    per, block = 2 * C * C * BE, 2 * _feat(s) + 2 * C * BM * BD
+    if dq:  # d(Rq) = dA Rk + g Sb^T
+        block += 2 * C * C * BM + 2 * C * BE * BM
+    else:  # A = Rq Rk^T, d(Rk) = dA^T Rq + v dSa^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
+        block += 4 * C * C * BM + 4 * C * BE * BM
+        per += 2 * C * C * BE
+    return s.BH * s.nc * (per + s.Mb * block)
 
 
 # kernel name -> formula of a Shape: bytes (unique, re-read), FLOPs as executed, programs in its grid
-OWN_KERNEL_BYTES = {"fused_fwd_states": _k1_bytes, "fused_fwd_output": _k2_bytes,
-                    "fused_bwd_dstates": _b1_bytes, "fused_bwd_dqkv": _b2_bytes}
-OWN_KERNEL_FLOPS = {"fused_fwd_states": _k1_flops, "fused_fwd_output": _k2_flops,
-                    "fused_bwd_dstates": _b1_flops, "fused_bwd_dqkv": _b2_flops}
-OWN_KERNEL_GRID = {"fused_fwd_states": lambda s: s.BH * s.nm * s.ne,
-                   "fused_fwd_output": lambda s: s.nc * s.BH * s.ne,
-                   "fused_bwd_dstates": lambda s: s.BH * s.nm * s.ne,
-                   "fused_bwd_dqkv": lambda s: s.nc * s.BH}
+OWN_KERNEL_BYTES = {k: _bytes(k) for k in KERNELS}
+OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden": lambda s: 0,
+                    "_dstates": _dstates_flops, "_dqkv[dq]": lambda s: _dqkv_flops(s, True),
+                    "_dqkv[dkv]": lambda s: _dqkv_flops(s, False)}
+OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.ne, "_output": lambda s: s.nc * s.BH * s.ne,
+                   "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.ne,
+                   "_dqkv[dq]": lambda s: s.nc * s.BH, "_dqkv[dkv]": lambda s: s.nc * s.BH}
 
 
 def fill(programs: int, sms: int = SMS) -> tuple[int, float]:
@@ -212,7 +248,7 @@ def fill(programs: int, sms: int = SMS) -> tuple[int, float]:
 
 
 def price(name: str, s: Shape) -> dict:
-    """One kernel's entry for the predictor: bytes (unique), reread_bytes, flops, programs,
+    """One launch's entry for the predictor: bytes (unique), reread_bytes, flops, programs,
     waves, fill. A name without an entry is a KeyError naming it."""
     missing = [t for t, table in (("bytes", OWN_KERNEL_BYTES), ("flops", OWN_KERNEL_FLOPS), ("grid", OWN_KERNEL_GRID))
                if name not in table]
@@ -224,18 +260,15 @@ def price(name: str, s: Shape) -> dict:
     waves, f = fill(programs)
     return {"bytes": int(unique), "reread_bytes": int(reread), "flops": int(OWN_KERNEL_FLOPS[name](s)),
             "programs": programs, "waves": waves, "fill": round(f, 4),
-            "shape": [s.B, s.H, s.N, s.d, s.m, s.e],
-            "design": {"C": s.C, "BM": s.BM, "BE": s.BE, "mp": s.mp, "tables": s.tables, "query_max": s.query_max}}
+            "shape": [s.B, s.H, s.N, s.d, s.m, s.e], "itemsize": s.itemsize, "lowp": s.lowp, "rotary": s.rotary,
+            "design": {"C": s.C, "BM": s.BM, "BE": s.BE, "mp": s.mp}}
 
 
-# the designs ``benchmarks.gpu_predict --backend fused`` also prices (Shape fields other than
-# DESIGN's; {} is DESIGN itself): docs/gpu.md's table
-ALTERNATIVES = ({}, {"C": 128}, {"C": 32}, {"BM": 32}, {"BM": 128}, {"C": 128, "BM": 32}, {"C": 128, "BM": 128},
-                {"BE": 32}, {"BM": 16}, {"tables": "chip"}, {"query_max": "online"},
-                {"tables": "chip", "query_max": "online"}, {"BM": 32, "tables": "chip", "query_max": "online"})
+# other block sizes ``benchmarks.gpu_predict --backend fused`` re-prices the same launches at
+# ({} is the kernels as built): the formulas' answer, not a build (registers, spills unknown)
+ALTERNATIVES = ({}, {"BM": 64}, {"BM": 16}, {"C": 128})
 
 
-def reprice(name: str, shape, **design) -> dict:
-    """``price`` of kernel ``name`` at ``shape`` ([B, H, N, d, m, e]) with another design
-    (Shape's C, BM, BE, tables, query_max)."""
-    return price(name, replace(Shape(*shape), **design))
+def reprice(name: str, shape, itemsize: int = 2, lowp: bool = True, rotary: bool = True, **design) -> dict:
+    """``price`` of launch ``name`` at ``shape`` ([B, H, N, d, m, e]) with other C or BM."""
+    return price(name, replace(Shape(*shape, itemsize=itemsize, lowp=lowp, rotary=rotary), **design))
