@@ -116,8 +116,8 @@ def _problem(spec: Spec, device: torch.device):
         kw["mask"] = mask
     if spec.init:
         kw["initial_state"] = (torch.rand(B, H, m, e, generator=g), torch.rand(B, H, m, generator=g) + 0.5)
-    grads = (torch.randn(B, H, N, e, generator=g), torch.randn(B, H, m, e, generator=g),
-             torch.randn(B, H, m, generator=g))
+    grads = (torch.randn(B, H, N, e, generator=g).to(spec.dtype).float(),  # as the output's gradient arrives
+             torch.randn(B, H, m, e, generator=g), torch.randn(B, H, m, generator=g))
     to = dict(device=device)
     q, k, v = (t.to(spec.dtype).to(**to) for t in (q, k, v))
     kw = {n: (tuple(t.to(**to) for t in x) if isinstance(x, tuple) else x.to(**to) if torch.is_tensor(x) else x)
