@@ -213,6 +213,11 @@ MUTANTS = [
            "            Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)",
            "            Qr, Qf, Kr, Kf = _operands(fq, fk, None, None, rd, C)",
            ["tests/test_parallel.py", "-k", "recompute_above"]),
+    Mutant("fused path: the state carried across chunks dropped (each chunk's S from the previous chunk alone)",
+           OPS + "fused/forward.py",
+           "        S_e += _dot(tl.trans(_op(re, LOWP)), vt, LOWP)\n        S_o += _dot(",
+           "        S_e = _dot(tl.trans(_op(re, LOWP)), vt, LOWP)\n        S_o = _dot(",
+           ["tests/test_fused_kernel.py", "-k", "small_model_trains"]),
 ]
 
 
