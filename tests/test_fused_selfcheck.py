@@ -140,3 +140,21 @@ def test_under_torch_compile_nothing_stored_takes_the_parallel_path_and_a_stored
                         fullgraph=True)(q, k, v)
     torch._dynamo.reset()
     assert torch.equal(out, torch.full_like(v, 7.0))
+
+
+@needs_triton
+def test_check_backend_checks_the_specializations_it_is_given(monkeypatch):
+    """``check_backend(specs=...)`` on CUDA: under ``auto`` the bf16-arithmetic ones are checked
+    (a failure warns), under ``fused`` every one (a failure is a one-line ValueError)."""
+    from linear_rope.ops.backend import check_backend
+
+    seen = []
+    monkeypatch.setattr(selfcheck, "run_check", lambda spec, dev: seen.append(spec) or "out: 9 x the float32 tolerance")
+    bf16 = Spec(torch.bfloat16, True, 16, 20, 16, True, False, False)
+    with pytest.warns(RuntimeWarning, match="self-check"):
+        assert check_backend("cuda", specs=[FP32, bf16]) == "auto"
+    assert seen == [bf16]
+    monkeypatch.setenv("LINEAR_ROPE_BACKEND", "fused")
+    with pytest.raises(ValueError, match="^LINEAR_ROPE_BACKEND=fused: the fused kernels failed their self-check") as err:
+        check_backend("cuda", specs=[FP32])
+    assert "\n" not in str(err.value) and seen == [bf16, FP32]
