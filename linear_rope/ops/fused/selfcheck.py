@@ -63,7 +63,10 @@ def spec_of(q, v, projection, a, rotary: bool, lowp: bool) -> Spec:
 
 
 def _key(spec: Spec, device) -> tuple:
-    return spec, str(torch.device(device))
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():  # "cuda": the current one
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return spec, str(dev)
 
 
 def capturing() -> bool:
