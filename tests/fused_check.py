@@ -179,9 +179,24 @@ def dispatch_checks() -> dict:
     return res
 
 
+def selfcheck_checks() -> dict:
+    """The self-check (``fused/selfcheck.py``) with the kernels in the interpreter: the results
+    ``dispatch_checks``' forced calls stored (bf16, and float32 under a bf16 autocast), and the
+    check of a float16 and a float32 specialization (masks, initial states, no RoPE) run here."""
+    from linear_rope.ops.fused import selfcheck
+
+    res = {"stored": {str(spec): why for (spec, _), why in selfcheck._RESULTS.items()}}
+    for spec in (selfcheck.Spec(torch.float16, False, 16, 20, 16, True, True, True),
+                 selfcheck.Spec(torch.float32, False, 16, 12, 24, False, True, False)):
+        t0 = time.time()
+        res[str(spec)] = dict(why=selfcheck.run_check(spec, torch.device("cpu")), seconds=time.time() - t0)
+    return res
+
+
 if __name__ == "__main__":
     fused_interp.self_check()
     names = sys.argv[1:] or list(CASES)
     res = {n: run_case(n) for n in names}
     res["_dispatch"] = dispatch_checks()
+    res["_selfcheck"] = selfcheck_checks()
     print(json.dumps(res))

@@ -13,7 +13,8 @@ and the tests named for it run against the copy in a subprocess (``PYTHONPATH`` 
 The mutant is *killed* when pytest reports failing tests (exit 1), *survives* when they pass
 (exit 0); any other exit (nothing collected, a crash at import) is an error. The tests must
 pass on the unchanged code (CI runs the whole suite first; ``--baseline`` checks just these).
-Two mutants run at a time; the check costs about 2 CPU-minutes (1m45s user time measured).
+Two mutants run at a time; the check costs about 2 CPU-minutes (1m45s user time measured), and
+the fused path's (a 20-step training in Triton's interpreter) about 70 CPU-seconds more.
 """
 from __future__ import annotations
 
@@ -214,6 +215,11 @@ MUTANTS = [
            "            Qr, Qf, Kr, Kf = _operands(fq, fk, cos2, sin2, rd, C)",
            "            Qr, Qf, Kr, Kf = _operands(fq, fk, None, None, rd, C)",
            ["tests/test_parallel.py", "-k", "recompute_above"]),
+    Mutant("fused path: the state carried across chunks dropped (each chunk's S from the previous chunk alone)",
+           OPS + "fused/forward.py",
+           "        S_e += _dot(tl.trans(_op(re, LOWP)), vt, LOWP)\n        S_o += _dot(",
+           "        S_e = _dot(tl.trans(_op(re, LOWP)), vt, LOWP)\n        S_o = _dot(",
+           ["tests/test_fused_kernel.py", "-k", "small_model_trains"]),
 ]
 
 

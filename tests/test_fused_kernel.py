@@ -84,6 +84,34 @@ def test_the_public_op_forced_to_the_fused_path(results):
     assert r["double_backward"].startswith("rotary_linear_attention: double backward"), r
 
 
+def test_each_specialization_checks_itself_once_against_the_parallel_path(results):
+    """The kernels in the interpreter pass their self-check (``fused/selfcheck.py``): the forced
+    calls of ``dispatch_checks`` stored a pass for each specialization they took (bf16; float32
+    under a bf16 autocast), and the float16 and float32 checks run here pass."""
+    r = results["_selfcheck"]
+    assert r["stored"] == {"bfloat16 d=16 m=20 e=16 rotary=True mask=False initial_state=True": None,
+                           "float32 (bf16 arithmetic) d=16 m=20 e=16 rotary=True mask=False initial_state=True": None}, r
+    checked = {n: x for n, x in r.items() if n != "stored"}
+    assert len(checked) == 2 and all(x["why"] is None for x in checked.values()), r
+
+
+def test_a_small_model_trains_as_on_the_torch_path():
+    """``PerformerLM`` (the tiny preset with d = 16, seq_len 256: 4 chunks of 64), AdamW, 20 steps,
+    the same seed and batches, on the torch path and with the fused kernels in the interpreter
+    (``fused_train.py``: ``LINEAR_ROPE_BACKEND=fused``, float32): every loss within 0.5%."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, os.path.join(HERE, "fused_train.py")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["torch"]["paths"] == ["torch path (forced)"] and r["fused"]["paths"] == ["fused path (forced)"], r
+    assert r["checks_stored"] == 1, r
+    ref, got = r["torch"]["losses"], r["fused"]["losses"]
+    assert len(ref) == len(got) == 20, r
+    worst = max(abs(f - t) / t for f, t in zip(got, ref))
+    assert worst <= 0.005, (worst, ref, got)
+
+
 def test_torch_compile_sees_the_kernels():
     """Traced with fake tensors (``fused_trace.py``, an sm_90 target named, no GPU): the forward
     graph AOTAutograd compiles holds the two forward kernels as ``triton_kernel_wrapper_functional``

@@ -69,7 +69,8 @@ def test_quick_rows_name_what_ran(quick):
         assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["batch"] * r["N"] == gpu.QUICK["tokens"]
         assert r["mfu"].startswith(NEEDS_CUDA) and r["compile"].startswith("eager")
     assert rows["train_rope_4k"]["N"] == 4 * rows["train_rope_1k"]["N"]
-    assert rows["train_rope_1k"]["path"].startswith("torch path (")  # the op's own record: why not another
+    assert rows["train_rope_1k"]["path"].startswith("torch path (auto: tensors on cpu)")  # the op's own record
+    assert not any("fused" in rows[n]["path"] for n in ("train_rope_1k", "train_rope_4k"))  # never on the CPU
     assert rows["train_softmax_1k"]["path"].startswith("F.scaled_dot_product_attention")
     op = rows["op"]
     ours = [c for c in op["cells"] if c["impl"] == "ours"]

@@ -29,6 +29,7 @@ from .backend import backend, choose, record, takes_parallel
 from .chunk import bidirectional, chunked_causal, documents
 from .composite import composite_causal
 from .fused import fused_refusal
+from .fused.selfcheck import spec_of, verdict
 from .parallel import checks_enabled, compute_dtypes
 from .prepare import check_sizes, run_torch
 from .utils import LinearAttentionState, Options, check_args
@@ -93,8 +94,9 @@ def rotary_linear_attention(
 
     Paths (``LINEAR_ROPE_BACKEND``, chosen and recorded by ``backend.py``): ``auto`` takes the
     fused Triton kernels (``fused/``) for the causal calls on CUDA tensors that they take
-    (``fused.fused_refusal``), the chunk-parallel path (``parallel.py``) for the other causal
-    calls on CUDA tensors, and the torch path elsewhere; ``parallel``, ``torch``, ``fla`` and
+    (``fused.fused_refusal``) and whose specialization passed its one self-check against the
+    chunk-parallel path (``fused/selfcheck.py``), the chunk-parallel path (``parallel.py``) for
+    the other causal calls on CUDA tensors, and the torch path elsewhere; ``parallel``, ``torch``, ``fla`` and
     ``fused`` force one. On the chunk-parallel path the
     checks that read tensor values are off unless ``LINEAR_ROPE_CHECKS=1`` (each would make the
     GPU wait; unread, a position past ``MAX_POSITION`` gets NaN, never another's angle).
@@ -114,6 +116,8 @@ def rotary_linear_attention(
         lowp = compute_dtypes(q.dtype, q.device.type)[1] is not None
         refusal = fused_refusal(q, k, v, projection, a, causal, lowp, forced=name == "fused",
                                 sizes=chunk_size is not None or block_size is not None)
+        if refusal is None and not transformed:  # each specialization checks itself once (fused/selfcheck.py)
+            refusal = verdict(spec_of(q, v, projection, a, rotary, lowp), q.device, forced=name == "fused")
     path = choose(q, causal=causal, packed=a.docs is not None, transformed=transformed,
                   eager=not is_compiling() and not transformed, fused_refusal=refusal)
     if path == "fla":  # forced: fla-core's kernels or an error

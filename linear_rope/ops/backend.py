@@ -8,9 +8,13 @@ variable, else ``"auto"``:
   FAVOR+ inside, bf16 arithmetic, d and e up to 128, triton installed), else the chunk-parallel
   path (``parallel.py``: plain torch ops, a fixed number of kernels at any N, no host sync),
   recording why; on other devices the torch path's block walk (``chunk_op.py``, the fastest on a
-  CPU). The fused path is never taken for CPU tensors.
-* ``fused``: the fused path for CUDA tensors; a causal call it does not take is a ValueError with
-  the reason (never a silent fallback).
+  CPU). The fused path is never taken for CPU tensors. Each specialization of the fused kernels
+  (dtype and arithmetic, d, m, e, RoPE, mask, initial state) first checks itself once against the
+  chunk-parallel path (``fused/selfcheck.py``: at its first eager call, or ``check_backend``'s
+  ``specs``); a failed build, launch or check sends its calls to the chunk-parallel path with one
+  warning line; while tracing or capturing, a stored result decides (none: the chunk-parallel path).
+* ``fused``: the fused path for CUDA tensors; a causal call it does not take, or whose
+  specialization failed its self-check, is a ValueError with the reason (never a silent fallback).
 * ``parallel``: the chunk-parallel path on any device (the CPU tests and counts it).
 * ``torch``: the torch path on any device.
 * ``fla``: fla-core's chunk kernels (``fla_path.py``: causal, CUDA, ``pip install
@@ -32,6 +36,8 @@ import importlib.util
 import os
 
 import torch
+
+from .fused.selfcheck import NOT_CHECKED, Spec, verdict
 
 __all__ = ["BACKENDS", "ENV_VAR", "PACKED_REASON", "TRITON_REMOVED", "backend", "check_backend",
            "choose", "record", "record_paths", "takes_parallel", "use_backend"]
@@ -102,23 +108,24 @@ def choose(q: torch.Tensor, *, causal: bool, packed: bool, transformed: bool, ea
         return "documents" if packed else "bidirectional"
     if transformed:
         return "composite"
-    if name == "fused" and not packed:
+    unchecked = fused_refusal == NOT_CHECKED  # traced or captured before the kernels checked themselves
+    if name == "fused" and not packed and not unchecked:
         if eager and fused_refusal is None:
             record(f"fused path ({_source()})")
         return "fused"
-    par = takes_parallel(q, name)
+    par = takes_parallel(q, name) or unchecked
     if par and not packed and name == "auto" and fused_refusal is None:
         path, why = "fused", "auto: CUDA tensors"
     elif par and not packed:
         why = "auto: CUDA tensors" if name == "auto" else _source()
-        if name == "auto" and fused_refusal != "not asked":
+        if name in ("auto", "fused") and fused_refusal != "not asked":
             why += f"; not fused: {fused_refusal}"
         path = "parallel"
     elif par:
         path, why = "torch", PACKED_REASON
     else:
         path, why = "torch", f"auto: tensors on {q.device.type}" if name == "auto" else _source()
-    if eager:
+    if eager or unchecked:
         record(f"{path} path ({why})")
     return path
 
@@ -141,12 +148,19 @@ def record(path: str) -> None:
         paths.append(path)
 
 
-def check_backend(device: torch.device | str | None = None) -> str:
+def check_backend(device: torch.device | str | None = None, specs=()) -> str:
     """The backend ``LINEAR_ROPE_BACKEND`` names, checked once at a program's start for work on
     ``device`` (None: CUDA if available, else the CPU): a one-line ValueError for a value that run
     could not use (an unknown name; ``triton``, removed; ``fla`` without a CUDA device or fla-core;
     ``fused`` without a CUDA device or triton).
-    Every other backend runs on any device."""
+    Every other backend runs on any device.
+
+    ``specs``: the fused kernels' specializations the program will call (``fused.selfcheck.Spec``),
+    each checked now against the chunk-parallel path (once per device: the first eager call of a
+    specialization checks it otherwise; a compiled graph or CUDA graph traced before then takes
+    the chunk-parallel path), on CUDA under ``auto`` (its bf16 arithmetic) and ``fused``. A
+    failure: one warning line under ``auto`` (those calls take the chunk-parallel path), a
+    one-line ValueError under ``fused``."""
     try:
         name = backend()
     except ValueError:
@@ -167,4 +181,11 @@ def check_backend(device: torch.device | str | None = None) -> str:
                              f"unset {ENV_VAR} or set it to auto or torch")
         if importlib.util.find_spec("fla") is None:
             raise ValueError(f"{ENV_VAR}=fla: fla-core is not installed (pip install 'linear_rope[fla]')")
+    if name in ("auto", "fused") and dev.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        for spec in specs:
+            if name == "auto" and not Spec(*spec).lowp:
+                continue  # auto takes the fused path for bf16 arithmetic only
+            why = verdict(Spec(*spec), dev, forced=name == "fused")
+            if why is not None and name == "fused":
+                raise ValueError(f"{ENV_VAR}=fused: {why}")
     return name
