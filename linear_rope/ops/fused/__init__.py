@@ -6,7 +6,6 @@ path, ``triton_available`` whether triton is installed.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -20,9 +19,13 @@ CHUNK = 64  # tokens a chunk (launch.C)
 STATE_BYTES = 4 << 30  # the states before every chunk, at most (as parallel.STATE_BYTES, counted in float32)
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON: list[bool] = []  # whether triton is installed, looked up once (a plain global: dynamo reads it)
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    if not _TRITON:
+        _TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON[0]
 
 
 def supports_fused(q, k, v, projection, a, causal: bool) -> str | None:
