@@ -20,9 +20,14 @@ from linear_rope.ops.fused import pricing
 @contextlib.contextmanager
 def fused_core():
     """Within the block, the op's backend is ``auto`` (the package's default), whatever
-    ``LINEAR_ROPE_BACKEND`` says: on (fake) CUDA tensors, bf16 calls take the fused kernels."""
+    ``LINEAR_ROPE_BACKEND`` says: on (fake) CUDA tensors, bf16 calls take the fused kernels. The
+    self-check (``fused/selfcheck.py``) cannot run on a fake device (nothing runs here): every
+    specialization is taken as passed for the block (``selfcheck.pricing_only``), as on a GPU
+    where it passed; nothing is stored."""
     from linear_rope.ops.backend import use_backend
-    with use_backend("auto"):
+    from linear_rope.ops.fused import selfcheck
+
+    with use_backend("auto"), selfcheck.pricing_only():
         yield
 
 

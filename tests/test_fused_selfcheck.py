@@ -158,3 +158,14 @@ def test_check_backend_checks_the_specializations_it_is_given(monkeypatch):
     with pytest.raises(ValueError, match="^LINEAR_ROPE_BACKEND=fused: the fused kernels failed their self-check") as err:
         check_backend("cuda", specs=[FP32])
     assert "\n" not in str(err.value) and seen == [bf16, FP32]
+
+
+def test_pricing_only_takes_every_specialization_as_passed_and_stores_nothing():
+    """benchmarks.gpu_predict compiles for a fake GPU, where no check can run."""
+    from linear_rope.ops.fused import selfcheck
+
+    spec = selfcheck.Spec(torch.bfloat16, True, 64, 266, 64, True, False, False)
+    before = dict(selfcheck._RESULTS)
+    with selfcheck.pricing_only():
+        assert selfcheck.verdict(spec, "cuda:7", forced=False) is None
+    assert selfcheck._RESULTS == before

@@ -22,6 +22,7 @@ specialization); ``LINEAR_ROPE_BACKEND=fused`` raises a one-line ValueError inst
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import NamedTuple
 
@@ -29,13 +30,14 @@ import torch
 
 from ...checks import is_compiling
 
-__all__ = ["N_CHECK", "NOT_CHECKED", "Spec", "capturing", "clear", "run_check", "spec_of", "verdict"]
+__all__ = ["N_CHECK", "NOT_CHECKED", "Spec", "capturing", "clear", "pricing_only", "run_check", "spec_of", "verdict"]
 
 N_CHECK = 200  # tokens of the check: 4 chunks of 64 (3 boundaries the state crosses), the last one partial
 NOT_CHECKED = ("fused kernels not self-checked yet for this specialization (the first call was traced or captured: "
                "one eager call, or check_backend's specs, checks them)")
 _RESULTS: dict[tuple, str | None] = {}  # (Spec, device) -> None (passed) or why not
 _WARNED: set[tuple] = set()
+_PRICING: list[bool] = []  # inside ``pricing_only()``: every specialization taken as passed, nothing stored
 
 
 class Spec(NamedTuple):
@@ -76,6 +78,18 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+@contextlib.contextmanager
+def pricing_only():
+    """For ``benchmarks.gpu_predict`` alone, which compiles for a fake GPU and runs nothing (no
+    check can run there): within the block every specialization is taken as passed, as on a GPU
+    where it passed; nothing is stored."""
+    _PRICING.append(True)
+    try:
+        yield
+    finally:
+        _PRICING.pop()
+
+
 def clear() -> None:
     """Forget every stored result (the tests)."""
     _RESULTS.clear()
@@ -87,6 +101,8 @@ def verdict(spec: Spec, device, forced: bool) -> str | None:
     check runs once per specialization and device, eagerly; while tracing or capturing, a stored
     result decides (none: ``NOT_CHECKED``). A failure warns once (one line) unless ``forced``
     (``LINEAR_ROPE_BACKEND=fused``), where the op raises the returned line as a ValueError."""
+    if _PRICING:
+        return None
     key = _key(spec, device)
     if key not in _RESULTS:
         if capturing():
