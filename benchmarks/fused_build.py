@@ -141,6 +141,21 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows) -> str:
+    """The rows as a markdown table (docs/gpu.md): config, registers, spill stores, shared memory,
+    tensor-core instructions, programs per SM."""
+    out = ["| kernel | config | regs | spill B | smem B | tensor cores | progs/SM |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+        if "registers" not in r:
+            out.append(f"| {r['kernel']} | {cfg} | {r.get('error', '')} | | | | |")
+            continue
+        tc = ", ".join(f"{k} {v}" for k, v in sorted(r["instructions"].items())) or "none"
+        out.append(f"| {r['kernel']} | {cfg} | {r['registers']} | {r['spill_store_bytes']} | {r['shared_bytes']} "
+                   f"| {tc} | {r['programs_per_sm']} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fused_build", allow_abbrev=False,
                                  description=__doc__.splitlines()[0])
@@ -153,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default=None, help="the fused kernels: comma-separated, of "
                     "bf16, fp16, fp16-fp32, fp32 (default all)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.exit(2, "fused_build: error: unset TRITON_INTERPRET (the build needs Triton's compiler)\n")
@@ -174,7 +190,7 @@ def main(argv=None) -> int:
                                       dims=tuple(int(x) for x in a.dims.split(",")) if a.dims else fused_kernels.DIMS)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="linear_rope-fused-build-"))
     rows = build(builds)
-    print(table(rows))
+    print(markdown(rows) if a.markdown else table(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

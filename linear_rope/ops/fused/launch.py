@@ -45,18 +45,22 @@ def plan(lowp: bool, d: int, e: int) -> dict:
     """{kernel: (constexprs, options)} for q, k of width d and values of width e: every
     constexpr but the flags (``FLAGS``; ``_dqkv``'s PART: ``DQKV_PARTS``) and the launch options.
     The launches below take these, and the sm_90 builds (``benchmarks/fused_build.py``) too.
-    Float32 kernels (LOWP False) unpipelined (1 stage): their operands go through shared memory."""
+    bf16 products (LOWP): 4 warps, one warpgroup, so that a program takes at most half the
+    register file; ``_output`` 8 (its accumulators num `[C, BE]` and A `[C, C]` float32 beside the
+    q, k tiles spill 40-100 bytes a thread at 4, any stages or BE = 32). Float32 (IEEE products,
+    FMA loops without tensor cores): 8 warps (4 spilled 1-25 KB a thread, 8 about 1 KB) and one
+    stage (their operands go through shared memory); tf32x3 would put them on the tensor cores
+    but is 8x further from float64 on large |q|, |k| (``tests/test_fused_kernel.py``'s check
+    against the chunk-parallel path in float32: out 0.31 against 0.039 relative)."""
     BD, BE = _p2(d), _be(e)
-    st = 2 if lowp else 1
+    st, w = (2, 4) if lowp else (1, 8)
     feat = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp)
     return {
-        "_states": (feat, dict(num_warps=4, num_stages=st)),
-        # 8 warps, one program an SM: its accumulators num and A `[C, BE]`, `[C, C]` float32 with
-        # the q, k tiles spill at 4 warps (40-100 bytes a thread, any stages or BE = 32)
+        "_states": (feat, dict(num_warps=w, num_stages=st)),
         "_output": (feat, dict(num_warps=8, num_stages=st)),
         "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
-        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=4, num_stages=st)),
-        "_dqkv": (dict(feat, BE=_p2(e)), dict(num_warps=4, num_stages=1)),  # 2 stages spill the dq part
+        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=w, num_stages=st)),
+        "_dqkv": (dict(feat, BE=_p2(e)), dict(num_warps=w, num_stages=1)),  # 2 stages spill the dq part
     }
 
 
