@@ -19,6 +19,7 @@ DIMS = (16, 32, 64, 128)
 # the arithmetic tests/test_fused_build.py builds at d = e = 64 and holds to no spills (float32's
 # tf32x3 products still spill: docs/gpu.md)
 TESTED_DTYPES = ("bf16",)
+OTHER_TRITON_SPILL = 128  # bytes a thread the test lets a Triton other than 3.6 spill (3.9: _dqkv 52 and 68)
 # kernels launched with one program an SM, and why (the test holds the others to two)
 ONE_PROGRAM = {
     "_output": "8 warps, 255 registers a thread: at 4 warps its accumulators num `[C, BE]` and A `[C, C]` "

@@ -59,10 +59,16 @@ def test_the_toy_kernel_builds_for_sm90(tmp_path):
 
 
 def test_the_fused_kernels_build_for_sm90_without_spills(tmp_path):
-    """Every launch at d = e = 64 with every flag on (bf16 and float32 arithmetic): no spills,
-    tensor-core instructions where the kernel has a tl.dot (all but _dden), two programs an SM
-    by registers and shared memory but for the documented exceptions (fused_kernels.ONE_PROGRAM)."""
+    """Every launch at d = e = 64 with every flag on (bf16 arithmetic): no spills on Triton 3.6
+    (the GPU machines'; launch.plan is chosen on its builds), at most ``fk.OTHER_TRITON_SPILL``
+    bytes a thread on another Triton (3.9 spills a few in _dqkv: docs/gpu.md), tensor-core
+    instructions where the kernel has a tl.dot (all but _dden), two programs an SM by registers and
+    shared memory but for the documented exceptions (fused_kernels.ONE_PROGRAM)."""
+    import triton
+
     from benchmarks import fused_kernels as fk
+
+    spill = 0 if triton.__version__.startswith("3.6.") else fk.OTHER_TRITON_SPILL
 
     rows, stdout = _rows(tmp_path, "--dtypes", ",".join(fk.TESTED_DTYPES), "--dims", "64")
     names = {r["kernel"] for r in rows}
@@ -71,7 +77,7 @@ def test_the_fused_kernels_build_for_sm90_without_spills(tmp_path):
     assert parts == sorted([0, 1, 2] * len(fk.TESTED_DTYPES))  # dq, dk, dv
     for r in rows:
         where = f"{r['kernel']} {r['config']}"
-        assert r["ok"] and r["spill_store_bytes"] == 0, where
+        assert r["ok"] and r["spill_store_bytes"] <= spill, where
         if r["kernel"] != "_dden":
             assert r["mma"] or r["wgmma"], where
         assert r["programs_per_sm"] >= (1 if r["kernel"] in fk.ONE_PROGRAM else 2), where
