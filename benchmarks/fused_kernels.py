@@ -76,5 +76,3 @@ def builds(full: bool = False, dtypes=None, dims=DIMS) -> list:
                     out.append((name, fns[name], signature(fns[name], c, dt, lowp), c, options, {"dtype": dname}))
     return out
 
-
-BUILDS = builds()
