@@ -1,12 +1,15 @@
 """Triton kernels built ahead of time for sm_90 on a machine without a GPU: registers, spills,
 shared memory, tensor-core instructions and programs per SM, kernel by kernel.
 
-    python -m benchmarks.fused_build                       # the toy tl.dot kernel (a self-check)
-    python -m benchmarks.fused_build --builds linear_rope.ops.fused.kernels:BUILDS [--json out.json]
+    python -m benchmarks.fused_build                       # the fused kernels (benchmarks/fused_kernels.py)
+    python -m benchmarks.fused_build --all                 # ... every launchable specialization
+    python -m benchmarks.fused_build --toy                 # the toy tl.dot kernel (a self-check)
+    python -m benchmarks.fused_build --builds module:BUILDS [--json out.json]
 
 Each build is ``(name, jit function, signature, constexprs, options)``: the signature maps every
 non-constexpr argument to its Triton type ("*bf16", "*fp32", "i32", ...), pointers taken as
-16-byte aligned (torch's allocations are); ``options`` e.g. num_warps, num_stages. It is built
+16-byte aligned (torch's allocations are), "i32:16" an integer divisible by 16 (as Triton
+specializes one at a launch); ``options`` e.g. num_warps, num_stages. It is built
 with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` (the ptxas of the
 Triton wheel: no GPU or driver needed), in a fresh cache (a cache hit gives no ptxas log).
 Per build: registers and spill bytes (ptxas's log), shared memory (the kernel's metadata), the
@@ -32,6 +35,7 @@ import tempfile
 
 # sm_90 per SM: registers, shared memory (bytes; 1 KB a block reserved), the opt-in maximum a
 # block, threads, resident blocks (CUDA programming guide, compute capabilities)
+_UNSHOWN = ("FLOOR", "C", "BM")  # constexprs the same in every fused build: left out of the table
 SM90 = dict(regs=65536, smem=233_472, smem_block=232_448, threads=2048, blocks=32)
 
 
@@ -61,8 +65,9 @@ def compile_one(fn, signature: dict, constexprs: dict, options: dict, arch: int 
     from triton.compiler import ASTSource
 
     names = fn.arg_names
-    sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    sig = {n: ("constexpr" if n in constexprs else signature[n].split(":")[0]) for n in names}
+    div = {n for n in names if sig[n].startswith("*") or signature.get(n, "").endswith(":16")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in div}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     triton.knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
@@ -75,8 +80,9 @@ def build(builds, arch: int = 90) -> list[dict]:
     """One row a build: name, config, registers, spill bytes, shared memory, tensor-core
     instructions, programs per SM; ``ok`` False with ``error`` where it did not build."""
     rows = []
-    for name, fn, signature, constexprs, options in builds:
-        row = {"kernel": name, "arch": f"sm_{arch}", "config": {**constexprs, **options}}
+    for name, fn, signature, constexprs, options, *label in builds:
+        shown = {k: v for k, v in constexprs.items() if k not in _UNSHOWN}
+        row = {"kernel": name, "arch": f"sm_{arch}", "config": {**(label[0] if label else {}), **shown, **options}}
         try:
             kernel, log = compile_one(fn, signature, constexprs, options, arch)
         except Exception as e:  # noqa: BLE001 - reported per build
@@ -122,25 +128,47 @@ def toy_builds():
 
 
 def table(rows) -> str:
-    lines = [f"{'kernel':<20} {'config':<44} {'regs':>5} {'spill st/ld B':>14} {'smem B':>8} {'mma':>4} "
+    lines = [f"{'kernel':<20} {'config':<72} {'regs':>5} {'spill st/ld B':>14} {'smem B':>8} {'mma':>4} "
              f"{'wgmma':>5} {'progs/SM':>8}"]
     for r in rows:
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
         if not r.get("shared_bytes") and not r.get("ok"):
-            lines.append(f"{r['kernel']:<20} {cfg:<44} {r['error']}")
+            lines.append(f"{r['kernel']:<20} {cfg:<72} {r['error']}")
             continue
-        lines.append(f"{r['kernel']:<20} {cfg:<44} {r['registers']!s:>5} "
+        lines.append(f"{r['kernel']:<20} {cfg:<72} {r['registers']!s:>5} "
                      f"{r['spill_store_bytes']!s:>6}/{r['spill_load_bytes']!s:<7} {r['shared_bytes']:>8} "
                      f"{'yes' if r['mma'] else 'no':>4} {'yes' if r['wgmma'] else 'no':>5} {r['programs_per_sm']:>8}")
     return "\n".join(lines)
+
+
+def markdown(rows) -> str:
+    """The rows as a markdown table (docs/gpu.md): config, registers, spill stores, shared memory,
+    tensor-core instructions, programs per SM."""
+    out = ["| kernel | config | regs | spill B | smem B | tensor cores | progs/SM |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+        if "registers" not in r:
+            out.append(f"| {r['kernel']} | {cfg} | {r.get('error', '')} | | | | |")
+            continue
+        tc = ", ".join(f"{k} {v}" for k, v in sorted(r["instructions"].items())) or "none"
+        out.append(f"| {r['kernel']} | {cfg} | {r['registers']} | {r['spill_store_bytes']} | {r['shared_bytes']} "
+                   f"| {tc} | {r['programs_per_sm']} |")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fused_build", allow_abbrev=False,
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--builds", default=None,
-                    help="module:NAME, a list of (name, jit fn, signature, constexprs, options) (default: the toy)")
+                    help="module:NAME, a list of (name, jit fn, signature, constexprs, options) "
+                         "(default: the fused kernels, a representative subset)")
+    ap.add_argument("--all", action="store_true", help="the fused kernels: every launchable specialization")
+    ap.add_argument("--dims", default=None, help="the fused kernels: d and e, comma-separated (default 16,32,64,128)")
+    ap.add_argument("--toy", action="store_true", help="the toy tl.dot kernel")
+    ap.add_argument("--dtypes", default=None, help="the fused kernels: comma-separated, of "
+                    "bf16, fp16, fp16-fp32, fp32 (default all)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.exit(2, "fused_build: error: unset TRITON_INTERPRET (the build needs Triton's compiler)\n")
@@ -154,11 +182,15 @@ def main(argv=None) -> int:
             builds = getattr(importlib.import_module(mod), attr or "BUILDS")
         except (ImportError, AttributeError) as e:
             ap.exit(2, f"fused_build: error: {a.builds}: {e}\n")
-    else:
+    elif a.toy:
         builds = toy_builds()
+    else:
+        from benchmarks import fused_kernels
+        builds = fused_kernels.builds(full=a.all, dtypes=a.dtypes.split(",") if a.dtypes else None,
+                                      dims=tuple(int(x) for x in a.dims.split(",")) if a.dims else fused_kernels.DIMS)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="linear_rope-fused-build-"))
     rows = build(builds)
-    print(table(rows))
+    print(markdown(rows) if a.markdown else table(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -130,13 +130,14 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tb, s_tn, s_tp, s_mb,
           N, H, nc, m, d, e, ksc,
           FLOOR: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-          ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr, DQ: tl.constexpr):
-    """Grid (nc, B H), launched twice: one chunk's dq `[C, d]` (``DQ``: from the states before the
-    chunk, Sb and zb), else its dk `[C, d]` and dv `[C, e]` (from the gradients of the states after
-    it, dSa and dza), all e in one block (BE >= e), accumulated over the feature blocks from the
-    recomputed features; stored in the inputs' dtype `[B, H, N, x]` contiguous (0 for masked
-    tokens). Two kernels, each recomputing the features, rather than one holding every
-    accumulator: built for sm_90, the one spilled 2 KB a thread."""
+          ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr, PART: tl.constexpr):
+    """Grid (nc, B H), launched three times: one chunk's dq `[C, d]` (``PART`` 0: from the states
+    before the chunk, Sb and zb), its dk `[C, d]` (1) or its dv `[C, e]` (2: from the gradients
+    of the states after it, dSa, and dza for dk), all e in one block (BE >= e), accumulated over
+    the feature blocks from the recomputed features; stored in the inputs' dtype `[B, H, N, x]`
+    contiguous (0 for masked tokens). Three kernels, each recomputing the features, rather than
+    one holding every accumulator: built for sm_90 (4 warps) dk and dv in one spilled 1 KB a
+    thread, all three 2 KB. dv reads neither v nor dden nor dza."""
     ci = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -159,13 +160,14 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     qt = _op(tl.where(real[:, None], _rows(q, t, tm, s_qn, cols, cm), 0.0), LOWP)
     kt = _op(tl.where(real[:, None], _rows(k, t, tm, s_kn, cols, cm), 0.0), LOWP)
     ksq = ksc * tl.sum(kt.to(tl.float32) * kt.to(tl.float32), 1)
-    vt = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, ce, em), 0.0), LOWP)
     rmx = tl.load(rmax + bh * N + t, mask=tm, other=0.0)
-    dd = tl.load(dden + bh * N + t, mask=tm, other=0.0)
-    dd16 = _op(dd, LOWP).to(tl.float32)  # the GEMM operand of tril(dden 1^T), as the parallel path rounds it
     g = _op(_dnum(do, den, mask, bh, b, t, tm, ce, em, s_mb, N, e, MASK), LOWP)
     causal = i[:, None] >= i[None, :]
-    dA = _op(tl.where(causal, _dot(g, tl.trans(vt), LOWP), 0.0), LOWP)
+    if PART != 2:
+        vt = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, ce, em), 0.0), LOWP)
+        dA = _op(tl.where(causal, _dot(g, tl.trans(vt), LOWP), 0.0), LOWP)
+        dd = tl.load(dden + bh * N + t, mask=tm, other=0.0)
+        dd16 = _op(dd, LOWP).to(tl.float32)  # the GEMM operand of tril(dden 1^T), as the parallel path rounds it
     A = tl.zeros([C, C], dtype=tl.float32)
     gv = tl.zeros([C, BE], dtype=tl.float32)
     gx = tl.zeros([C, BD], dtype=tl.float32)  # dq or dk
@@ -183,9 +185,7 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
             cs, sn = _tables(cos, sin, t, tm, s_tn, s_tp, j0, m, lanes)
             rke, rko = _rot(fke, fko, cs, sn)
         rke, rko = _op(rke, LOWP), _op(rko, LOWP)
-        wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & cm[None, :], other=0.0)
-        wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & cm[None, :], other=0.0)
-        if DQ:
+        if PART == 0:
             # R phi_q's gradient, back through R (its transpose); then the unrotated denominator's:
             # tril(dden 1^T) phi_k as a prefix sum over the chunk's rows (no [C, C] GEMM)
             Sbe = tl.load(Sb + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
@@ -199,36 +199,43 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
             gqe += dd16[:, None] * tl.cumsum(_op(fke, LOWP).to(tl.float32), 0) + dd[:, None] * zbe[None, :]
             gqo += dd16[:, None] * tl.cumsum(_op(fko, LOWP).to(tl.float32), 0) + dd[:, None] * zbo[None, :]
             # the exponents' gradients, then the projection's rows (its bf16 value part)
+            wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & cm[None, :], other=0.0)
+            wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & cm[None, :], other=0.0)
             gx += _dot(_op(gqe * fqe, LOWP), wae, LOWP) + _dot(_op(gqo * fqo, LOWP), wao, LOWP)
         else:
             rqe, rqo = fqe, fqo
             if ROTARY:
                 rqe, rqo = _rot(fqe, fqo, cs, sn)
             rqe, rqo = _op(rqe, LOWP), _op(rqo, LOWP)
-            A += _dot(rqe, tl.trans(rke), LOWP) + _dot(rqo, tl.trans(rko), LOWP)
             dSe = tl.load(dSa + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
             dSo = tl.load(dSa + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
-            gke = _dot(tl.trans(dA), rqe, LOWP) + _dot(vt, tl.trans(dSe), LOWP)
-            gko = _dot(tl.trans(dA), rqo, LOWP) + _dot(vt, tl.trans(dSo), LOWP)
-            gv += _dot(rke, dSe, LOWP) + _dot(rko, dSo, LOWP)
-            if ROTARY:
-                gke, gko = _rot_t(gke, gko, cs, sn)
-            # the denominator's: tril(dden 1^T)^T phi_q as a suffix sum over the chunk's rows
-            dze = tl.load(dza + at * m + je, mask=me, other=0.0)
-            dzo = tl.load(dza + at * m + jo, mask=mo, other=0.0)
-            gke += tl.cumsum(dd16[:, None] * _op(fqe, LOWP).to(tl.float32), 0, reverse=True) + dze[None, :]
-            gko += tl.cumsum(dd16[:, None] * _op(fqo, LOWP).to(tl.float32), 0, reverse=True) + dzo[None, :]
-            ake = tl.where(ine, gke * fke, 0.0)  # 0 where the exponent was clamped
-            ako = tl.where(ino, gko * fko, 0.0)
-            gx += _dot(_op(ake, LOWP), wae, LOWP) + _dot(_op(ako, LOWP), wao, LOWP)
-            gks += tl.sum(ake, 1) + tl.sum(ako, 1)
+            if PART == 2:
+                A += _dot(rqe, tl.trans(rke), LOWP) + _dot(rqo, tl.trans(rko), LOWP)
+                gv += _dot(rke, dSe, LOWP) + _dot(rko, dSo, LOWP)
+            else:
+                gke = _dot(tl.trans(dA), rqe, LOWP) + _dot(vt, tl.trans(dSe), LOWP)
+                gko = _dot(tl.trans(dA), rqo, LOWP) + _dot(vt, tl.trans(dSo), LOWP)
+                if ROTARY:
+                    gke, gko = _rot_t(gke, gko, cs, sn)
+                # the denominator's: tril(dden 1^T)^T phi_q as a suffix sum over the chunk's rows
+                dze = tl.load(dza + at * m + je, mask=me, other=0.0)
+                dzo = tl.load(dza + at * m + jo, mask=mo, other=0.0)
+                gke += tl.cumsum(dd16[:, None] * _op(fqe, LOWP).to(tl.float32), 0, reverse=True) + dze[None, :]
+                gko += tl.cumsum(dd16[:, None] * _op(fqo, LOWP).to(tl.float32), 0, reverse=True) + dzo[None, :]
+                ake = tl.where(ine, gke * fke, 0.0)  # 0 where the exponent was clamped
+                ako = tl.where(ino, gko * fko, 0.0)
+                wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & cm[None, :], other=0.0)
+                wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & cm[None, :], other=0.0)
+                gx += _dot(_op(ake, LOWP), wae, LOWP) + _dot(_op(ako, LOWP), wao, LOWP)
+                gks += tl.sum(ake, 1) + tl.sum(ako, 1)
     keep = real[:, None]
     od = bh * N * d + t[:, None] * d + cols[None, :]
-    if DQ:
+    if PART == 0:
         tl.store(dq + od, tl.where(keep, gx, 0.0).to(dq.dtype.element_ty), mask=tm[:, None] & cm[None, :])
-    else:
-        gv += _dot(tl.trans(_op(tl.where(causal, A, 0.0), LOWP)), g, LOWP)
+    elif PART == 1:
         gx -= (2.0 * ksc) * kt.to(tl.float32) * gks[:, None]
         tl.store(dk + od, tl.where(keep, gx, 0.0).to(dk.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+    else:
+        gv += _dot(tl.trans(_op(tl.where(causal, A, 0.0), LOWP)), g, LOWP)
         tl.store(dv + bh * N * e + t[:, None] * e + ce[None, :], tl.where(keep, gv, 0.0).to(dv.dtype.element_ty),
                  mask=tm[:, None] & em[None, :])

@@ -4,10 +4,11 @@ from the ``triton_op`` bodies of ``op.py`` through ``wrap_triton`` (so Inductor 
 Block sizes: C = 64 tokens a chunk, features in blocks of BM = 32 (two halves of 16: every tile
 dim of a ``tl.dot`` at least 16), d padded to BD = next power of two >= 16, values in blocks of
 BE = min(64, next power of two of e) (``_output`` and ``_states``; the backward's ``_dqkv`` takes
-all e at once: e <= 128). Warps and stages from the sm_90 build (Triton 3.6, ptxas -v, bf16, d = e
-= 64; no GPU measured them): 8 warps leave ``_states`` and ``_dstates`` without spills (4 spill
-200-600 bytes), ``_output`` spills 44 bytes at 2 stages; ``_dqkv`` runs as two kernels (dq; dk and
-dv), which spill 304 and 1012 bytes (as one, 2 KB at any setting).
+all e at once: e <= 128). ``plan`` holds every launch's block sizes, warps and stages, and
+``benchmarks/fused_build.py`` builds exactly those for sm_90 (registers, spills, shared memory,
+tensor-core instructions; no GPU measured them): 4 warps (one warpgroup: a `[64, x]` tile is one
+``wgmma`` row block, and ptxas's 255 registers a thread leave room for two programs an SM, where 8
+warps took 255 and one), ``_dqkv`` as three kernels (dq; dk; dv), and the table in docs/gpu.md.
 """
 from __future__ import annotations
 
@@ -34,11 +35,33 @@ def _be(e: int) -> int:
     return min(64, _p2(e))
 
 
-def _stages(lowp: bool) -> dict:
-    """Float32 kernels (IEEE products, no tensor cores) unpipelined: their operands go through
-    shared memory, and with Triton's default 3 stages the d = e = 128 backward asks more than
-    sm_90's 227 KiB (sm_90 build, Triton 3.6: 352 KiB; 1 stage: 224 KiB)."""
-    return {} if lowp else dict(num_stages=1)
+# the boolean constexprs each kernel is specialized on (one build each combination)
+FLAGS = {"_states": ("ROTARY", "MASK", "INIT"), "_output": ("ROTARY", "MASK"), "_dden": ("MASK",),
+         "_dstates": ("ROTARY", "MASK", "FINAL_S", "FINAL_Z"), "_dqkv": ("ROTARY", "MASK")}
+DQKV_PARTS = (0, 1, 2)  # _dqkv's PART: dq, dk, dv (three launches)
+
+
+def plan(lowp: bool, d: int, e: int) -> dict:
+    """{kernel: (constexprs, options)} for q, k of width d and values of width e: every
+    constexpr but the flags (``FLAGS``; ``_dqkv``'s PART: ``DQKV_PARTS``) and the launch options.
+    The launches below take these, and the sm_90 builds (``benchmarks/fused_build.py``) too.
+    bf16 products (LOWP): 4 warps, one warpgroup, so that a program takes at most half the
+    register file; ``_output`` 8 (its accumulators num `[C, BE]` and A `[C, C]` float32 beside the
+    q, k tiles spill 40-100 bytes a thread at 4, any stages or BE = 32). Float32 (IEEE products,
+    FMA loops without tensor cores): 8 warps (4 spilled 1-25 KB a thread, 8 about 1 KB) and one
+    stage (their operands go through shared memory); tf32x3 would put them on the tensor cores
+    but is 8x further from float64 on large |q|, |k| (``tests/test_fused_kernel.py``'s check
+    against the chunk-parallel path in float32: out 0.31 against 0.039 relative)."""
+    BD, BE = _p2(d), _be(e)
+    st, w = (2, 4) if lowp else (1, 8)
+    feat = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp)
+    return {
+        "_states": (feat, dict(num_warps=w, num_stages=st)),
+        "_output": (feat, dict(num_warps=8, num_stages=st)),
+        "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
+        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=w, num_stages=st)),
+        "_dqkv": (dict(feat, BE=_p2(e)), dict(num_warps=w, num_stages=1)),  # 2 stages spill the dq part
+    }
 
 
 def _strides3(t):
@@ -75,17 +98,18 @@ def forward(wrap, q, k, v, wa, wb, c, cos, sin, mask, S0, z0, lowp: bool, out_dt
     rmax = torch.empty(BH, N, device=dev, dtype=torch.float32)
     cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
     ksc = 0.5 / math.sqrt(d)
-    BD, BE = _p2(d), _be(e)
-    common = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=mask is not None,
-                  **_stages(lowp))
+    P = plan(lowp, d, e)
+    BE = P["_states"][0]["BE"]
+    flags = dict(ROTARY=cos is not None, MASK=mask is not None)
     init = S0 is not None
     wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
         k, v, wa, wb, c, cos_, sin_, mask_, S0 if init else S, z0 if init else z, Sb, zb, S, z,
-        *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, INIT=init, num_warps=8, **common)
+        *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, INIT=init, **flags,
+        **P["_states"][0], **P["_states"][1])
     wrap(_output)[(nc, BH, triton.cdiv(e, BE))](
         q, k, v, wa, wb, c, cos_, sin_, mask_, Sb, zb, out, den, rmax,
-        *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, num_warps=8,
-        **{**common, **({"num_stages": 2} if lowp else {})})
+        *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, **flags,
+        **P["_output"][0], **P["_output"][1])
     return out, S, z, den, rmax, Sb, zb
 
 
@@ -109,19 +133,18 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
     dv = torch.empty(B, H, N, e, device=dev, dtype=v.dtype)
     cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
     ksc = 0.5 / math.sqrt(d)
-    BD, BE = _p2(d), _be(e)
+    P = plan(lowp, d, e)
+    BE = P["_dstates"][0]["BE"]
     msk = mask is not None
-    stages = _stages(lowp)
-    wrap(_dden)[(nc, BH)](dout, out, den, mask_, dden, *sm, N, H, e, C=C, BE=BE, MASK=msk, num_warps=8)
+    flags = dict(ROTARY=cos is not None, MASK=msk)
+    wrap(_dden)[(nc, BH)](dout, out, den, mask_, dden, *sm, N, H, e, MASK=msk, **P["_dden"][0], **P["_dden"][1])
     wrap(_dstates)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
         q, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, dz0 if dS is None else dS,
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
-        C=C, BM=BM, BD=BD, BE=BE, ROTARY=cos is not None, LOWP=lowp, MASK=msk, FINAL_S=dS is not None,
-        FINAL_Z=dz is not None, num_warps=8, **stages)
-    for part in (True, False):  # dq, then dk and dv
+        FINAL_S=dS is not None, FINAL_Z=dz is not None, **flags, **P["_dstates"][0], **P["_dstates"][1])
+    for part in DQKV_PARTS:  # dq, dk, dv
         wrap(_dqkv)[(nc, BH)](
             q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
             *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
-            FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=_p2(e), ROTARY=cos is not None, LOWP=lowp, MASK=msk, DQ=part,
-            num_warps=8, **stages)
+            PART=part, **flags, **P["_dqkv"][0], **P["_dqkv"][1])
     return dq, dk, dv, dS0, dz0
