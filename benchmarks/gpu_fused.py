@@ -5,7 +5,7 @@ Under ``fused_core()`` the model's calls take the backend the package takes on C
 (``auto``: the fused path for bf16 calls; the predictor's fake CUDA tensors are CUDA tensors to
 it), so Inductor sees the ``triton_op``s ``linear_rope::fused_forward`` / ``fused_backward`` and
 calls their kernels as user Triton kernels: ``_states``, ``_output`` forward; ``_dden``,
-``_dstates`` and ``_dqkv`` twice (DQ on, then off) backward. ``fused_kernel`` prices one such
+``_dstates`` and ``_dqkv`` three times (PART 0, 1, 2: dq, dk, dv) backward. ``fused_kernel`` prices one such
 launch from its arguments (shapes, dtypes, constexprs) by the formulas: unique bytes priced,
 re-read bytes shown, FLOPs as executed, the grid's fill; its grid is checked against the
 formula's. ``check_fused``: a fused compilation without every launch is an error.
@@ -45,7 +45,7 @@ def fused_kernel(fname: str, ir, k: dict, l2_bytes_s: float) -> dict:
     priced by ``pricing.price``: a launch without a formula, or one the formulas do not cover
     (a mask, an initial state, a final state's gradient), is an error."""
     kw = dict(ir.kwargs)
-    name = pricing.kernel_name(fname, {"DQ": _const(kw, "DQ")})
+    name = pricing.kernel_name(fname, {"PART": _const(kw, "PART")})
     for flag in ("MASK", "INIT", "FINAL_S", "FINAL_Z"):
         if _const(kw, flag):
             raise RuntimeError(f"fused kernel {name}: {flag} launches are not priced by linear_rope.ops.fused.pricing")

@@ -6,7 +6,7 @@ The counting is a small copy of ``shared/tools/triton_bytes.py`` (a measuring ai
 repository): the interpreter's masked load and store, patched to add up their bytes. The
 interpreter is switched on when a kernel is decorated, so this runs in a process of its own:
 ``python tests/fused_bytes.py B H N d m e`` prints one JSON object, per launch (``_dqkv`` twice:
-``_dqkv[dq]``, ``_dqkv[dkv]``) [loads, stores] in bytes, bf16 inputs (the kernels' LOWP).
+``_dqkv[dq]``, ``_dqkv[dk]``, ``_dqkv[dv]``) [loads, stores] in bytes, bf16 inputs (the kernels' LOWP).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def counted(counts: dict):
         class Launch:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    key = name + (("[dq]" if kw["DQ"] else "[dkv]") if "DQ" in kw else "")
+                    key = name + ({0: "[dq]", 1: "[dk]", 2: "[dv]"}[kw["PART"]] if "PART" in kw else "")
                     COUNT[:] = [0, 0]
                     kernel[grid](*args, **kw)
                     counts[key] = list(COUNT)

@@ -1,10 +1,11 @@
 """The fused kernels' price, as built: formulas for ``benchmarks.gpu_predict``, read from the
 kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 
-Five kernels, six launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
+Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
 the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
-``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched twice (grid (nc, BH)):
-``_dqkv[dq]`` (DQ on: dq) and ``_dqkv[dkv]`` (DQ off: dk, dv). Mb = cdiv(m, BM) feature blocks
+``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
+BH)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each recomputing the
+features. Mb = cdiv(m, BM) feature blocks
 of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``: all e, p2(e)),
 BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
 
@@ -38,8 +39,9 @@ __all__ = ["DESIGN", "KERNELS", "OWN_KERNEL_BYTES", "OWN_KERNEL_FLOPS", "OWN_KER
 
 SMS = 132  # H100 SXM / H200: one program a SM at a time (8 warps, the tiles fill its registers)
 DESIGN = {"C": 64, "BM": 32}  # launch.C, launch.BM
-# the launches of a layer's step, in order (the backward's _dqkv twice)
-KERNELS = ("_states", "_output", "_dden", "_dstates", "_dqkv[dq]", "_dqkv[dkv]")
+# the launches of a layer's step, in order (the backward's _dqkv three times: dq, dk, dv)
+KERNELS = ("_states", "_output", "_dden", "_dstates", "_dqkv[dq]", "_dqkv[dk]", "_dqkv[dv]")
+DQKV_PART = {0: "_dqkv[dq]", 1: "_dqkv[dk]", 2: "_dqkv[dv]"}  # launch.DQKV_PARTS
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -51,9 +53,10 @@ def _p2(x: int) -> int:
 
 
 def kernel_name(fn_name: str, constexprs: dict) -> str:
-    """The launch's name in KERNELS: the kernel function's, ``_dqkv`` by its DQ flag."""
+    """The launch's name in KERNELS: the kernel function's, ``_dqkv`` by its PART."""
     if fn_name == "_dqkv":
-        return "_dqkv[dq]" if constexprs.get("DQ") else "_dqkv[dkv]"
+        part = constexprs.get("PART")
+        return DQKV_PART.get(part, f"_dqkv[PART={part}]")  # (an unknown part: no entry, an error)
     return fn_name
 
 
@@ -171,18 +174,24 @@ def _dstates(s: Shape):
     return loads, stores, s.BH * (s.q + s.v + 12 * s.N) + s.w + s.tab + stores
 
 
-def _dqkv(s: Shape, dq: bool):
-    """A program per (chunk, bh), all e: q, k, v, dout, rmax, den, dden once; w and c twice (q's
-    and k's features) and wa once more (dq or dk through it), the tables, Sb and zb (dq) or dSa
-    and dza (dk, dv) once; stores dq, or dk and dv."""
+def _dqkv(s: Shape, part: int):
+    """A program per (chunk, bh), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
+    features). dq (0) and dk (1) also read v and dden once, wa once more (the exponents' gradient
+    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk); dv (2) reads
+    dSa only. Stores dq, dk or dv."""
     wa = s.m * s.d * (2 if s.lowp else 4)
-    loads = s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + wa + s.m * s.e * s.sS + 4 * s.m) + s.tab)
-    stores = s.BH * (s.q if dq else s.q + s.v)
+    S = s.m * s.e * s.sS  # Sb or dSa, a chunk
+    if part == 2:
+        loads = s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * (2 * s.w + S) + s.tab)
+        stores = s.BH * s.v
+        return loads, stores, s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * S) + s.w + s.tab + stores
+    loads = s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + wa + S + 4 * s.m) + s.tab)
+    stores = s.BH * s.q
     return loads, stores, s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.states) + s.w + s.tab + stores
 
 
 _COUNTS = {"_states": _states, "_output": _output, "_dden": _dden, "_dstates": _dstates,
-           "_dqkv[dq]": lambda s: _dqkv(s, True), "_dqkv[dkv]": lambda s: _dqkv(s, False)}
+           **{name: (lambda s, p=p: _dqkv(s, p)) for p, name in DQKV_PART.items()}}
 
 
 def count(name: str, s: Shape) -> tuple[int, int]:
@@ -217,26 +226,24 @@ def _dstates_flops(s: Shape) -> int:  # q's features; dS += Rq^T dnum
     return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
 
 
-def _dqkv_flops(s: Shape, dq: bool) -> int:
+def _dqkv_flops(s: Shape, part: int) -> int:
     C, BM, BE, BD = s.C, s.BM, s.BEq, s.BD
-    # dA = g v^T; q's and k's features and the exponents' gradients through wa, every block
-    per, block = 2 * C * C * BE, 2 * _feat(s) + 2 * C * BM * BD
-    if dq:  # d(Rq) = dA Rk + g Sb^T
-        block += 2 * C * C * BM + 2 * C * BE * BM
-    else:  # A = Rq Rk^T, d(Rk) = dA^T Rq + v dSa^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
-        block += 4 * C * C * BM + 4 * C * BE * BM
-        per += 2 * C * C * BE
-    return s.BH * s.nc * (per + s.Mb * block)
+    block = 2 * _feat(s)  # q's and k's features, every block
+    if part == 2:  # A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
+        return s.BH * s.nc * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
+    # dA = g v^T; d(Rq) = dA Rk + g Sb^T (dq) or d(Rk) = dA^T Rq + v dSa^T (dk); the gradient through wa
+    block += 2 * C * C * BM + 2 * C * BE * BM + 2 * C * BM * BD
+    return s.BH * s.nc * (2 * C * C * BE + s.Mb * block)
 
 
 # kernel name -> formula of a Shape: bytes (unique, re-read), FLOPs as executed, programs in its grid
 OWN_KERNEL_BYTES = {k: _bytes(k) for k in KERNELS}
 OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden": lambda s: 0,
-                    "_dstates": _dstates_flops, "_dqkv[dq]": lambda s: _dqkv_flops(s, True),
-                    "_dqkv[dkv]": lambda s: _dqkv_flops(s, False)}
+                    "_dstates": _dstates_flops,
+                    **{name: (lambda s, p=p: _dqkv_flops(s, p)) for p, name in DQKV_PART.items()}}
 OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.ne, "_output": lambda s: s.nc * s.BH * s.ne,
                    "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.ne,
-                   "_dqkv[dq]": lambda s: s.nc * s.BH, "_dqkv[dkv]": lambda s: s.nc * s.BH}
+                   **{name: (lambda s: s.nc * s.BH) for name in DQKV_PART.values()}}
 
 
 def fill(programs: int, sms: int = SMS) -> tuple[int, float]:
