@@ -130,10 +130,11 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tb, s_tn, s_tp, s_mb,
           N, H, nc, m, d, e, ksc,
           FLOOR: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-          ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr, PART: tl.constexpr):
+          BV: tl.constexpr, ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr, PART: tl.constexpr):
     """Grid (nc, B H), launched three times: one chunk's dq `[C, d]` (``PART`` 0: from the states
-    before the chunk, Sb and zb), its dk `[C, d]` (1) or its dv `[C, e]` (2: from the gradients
-    of the states after it, dSa, and dza for dk), all e in one block (BE >= e), accumulated over
+    before the chunk, Sb and zb), its dk `[C, d]` (1), all e in one block (BE >= e), or its dv
+    `[C, e]` (2: grid (nc, B H, cdiv(e, BV)), a value block of BV a program; from the gradients
+    of the states after it, dSa, and dza for dk), accumulated over
     the feature blocks from the recomputed features; stored in the inputs' dtype `[B, H, N, x]`
     contiguous (0 for masked tokens). Three kernels, each recomputing the features, rather than
     one holding every accumulator: built for sm_90 (4 warps) dk and dv in one spilled 1 KB a
@@ -147,7 +148,11 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     cos += b * s_tb
     sin += b * s_tb
     lanes = tl.arange(0, BM // 2)
-    ce = tl.arange(0, BE)
+    if PART == 2:
+        ce = tl.program_id(2) * BV + tl.arange(0, BV)
+        gv = tl.zeros([C, BV], dtype=tl.float32)
+    else:
+        ce = tl.arange(0, BE)
     em = ce < e
     cols = tl.arange(0, BD)
     cm = cols < d
@@ -169,7 +174,6 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
         dd = tl.load(dden + bh * N + t, mask=tm, other=0.0)
         dd16 = _op(dd, LOWP).to(tl.float32)  # the GEMM operand of tril(dden 1^T), as the parallel path rounds it
     A = tl.zeros([C, C], dtype=tl.float32)
-    gv = tl.zeros([C, BE], dtype=tl.float32)
     gx = tl.zeros([C, BD], dtype=tl.float32)  # dq or dk
     gks = tl.zeros([C], dtype=tl.float32)
     at = bh * nc + ci

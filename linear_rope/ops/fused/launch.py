@@ -60,7 +60,8 @@ def plan(lowp: bool, d: int, e: int) -> dict:
         "_output": (feat, dict(num_warps=8, num_stages=st)),
         "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
         "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=w, num_stages=st)),
-        "_dqkv": (dict(feat, BE=_p2(e)), dict(num_warps=w, num_stages=1)),  # 2 stages spill the dq part
+        # dq, dk: all e in one block (BE); dv: a grid dimension over value blocks of BV
+        "_dqkv": (dict(feat, BE=_p2(e), BV=BE), dict(num_warps=w, num_stages=1)),  # 2 stages spill the dq part
     }
 
 
@@ -142,8 +143,9 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
         q, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, dz0 if dS is None else dS,
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
         FINAL_S=dS is not None, FINAL_Z=dz is not None, **flags, **P["_dstates"][0], **P["_dstates"][1])
-    for part in DQKV_PARTS:  # dq, dk, dv
-        wrap(_dqkv)[(nc, BH)](
+    for part in DQKV_PARTS:  # dq, dk, dv (dv: over value blocks of BV)
+        grid = (nc, BH, triton.cdiv(e, P["_dqkv"][0]["BV"]) if part == 2 else 1)
+        wrap(_dqkv)[grid](
             q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
             *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
             PART=part, **flags, **P["_dqkv"][0], **P["_dqkv"][1])

@@ -4,9 +4,9 @@ kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
 the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
 ``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
-BH)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each recomputing the
-features. Mb = cdiv(m, BM) feature blocks
-of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``: all e, p2(e)),
+BH); dv's (nc, BH, ne)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
+recomputing the features (dv in every value block). Mb = cdiv(m, BM) feature blocks
+of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``'s dq, dk: all e, p2(e)),
 BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
 
 Bytes: what the kernels' ``tl.load`` / ``tl.store`` ask of global memory, lane by lane (the
@@ -177,12 +177,13 @@ def _dstates(s: Shape):
 def _dqkv(s: Shape, part: int):
     """A program per (chunk, bh), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
     features). dq (0) and dk (1) also read v and dden once, wa once more (the exponents' gradient
-    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk); dv (2) reads
-    dSa only. Stores dq, dk or dv."""
+    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk); dv (2), a
+    program per (chunk, bh, value block), reads q, k, rmax, den, w, c and the tables in every value
+    block, its slice of dout and dSa once. Stores dq, dk or dv."""
     wa = s.m * s.d * (2 if s.lowp else 4)
     S = s.m * s.e * s.sS  # Sb or dSa, a chunk
     if part == 2:
-        loads = s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * (2 * s.w + S) + s.tab)
+        loads = s.BH * (s.ne * (2 * s.q + 8 * s.N + s.nc * 2 * s.w + s.tab) + s.v + s.nc * S)
         stores = s.BH * s.v
         return loads, stores, s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * S) + s.w + s.tab + stores
     loads = s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + wa + S + 4 * s.m) + s.tab)
@@ -229,8 +230,9 @@ def _dstates_flops(s: Shape) -> int:  # q's features; dS += Rq^T dnum
 def _dqkv_flops(s: Shape, part: int) -> int:
     C, BM, BE, BD = s.C, s.BM, s.BEq, s.BD
     block = 2 * _feat(s)  # q's and k's features, every block
-    if part == 2:  # A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
-        return s.BH * s.nc * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
+    if part == 2:  # per value block of BE: A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
+        BE = s.BE
+        return s.BH * s.nc * s.ne * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
     # dA = g v^T; d(Rq) = dA Rk + g Sb^T (dq) or d(Rk) = dA^T Rq + v dSa^T (dk); the gradient through wa
     block += 2 * C * C * BM + 2 * C * BE * BM + 2 * C * BM * BD
     return s.BH * s.nc * (2 * C * C * BE + s.Mb * block)
@@ -243,7 +245,8 @@ OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden":
                     **{name: (lambda s, p=p: _dqkv_flops(s, p)) for p, name in DQKV_PART.items()}}
 OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.ne, "_output": lambda s: s.nc * s.BH * s.ne,
                    "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.ne,
-                   **{name: (lambda s: s.nc * s.BH) for name in DQKV_PART.values()}}
+                   "_dqkv[dq]": lambda s: s.nc * s.BH, "_dqkv[dk]": lambda s: s.nc * s.BH,
+                   "_dqkv[dv]": lambda s: s.nc * s.BH * s.ne}
 
 
 def fill(programs: int, sms: int = SMS) -> tuple[int, float]:
