@@ -3,8 +3,7 @@ from the ``triton_op`` bodies of ``op.py`` through ``wrap_triton`` (so Inductor 
 
 Block sizes: C = 64 tokens a chunk, features in blocks of BM = 32 (two halves of 16: every tile
 dim of a ``tl.dot`` at least 16), d padded to BD = next power of two >= 16, values in blocks of
-BE = min(64, next power of two of e) (``_output`` and ``_states``; the backward's ``_dqkv`` takes
-all e at once: e <= 128). ``plan`` holds every launch's block sizes, warps and stages, and
+BE = min(64, next power of two of e) (``_output``, ``_states``, ``_dstates``, ``_dqkv``'s BV). ``plan`` holds every launch's block sizes, warps and stages, and
 ``benchmarks/fused_build.py`` builds exactly those for sm_90 (registers, spills, shared memory,
 tensor-core instructions; no GPU measured them): 4 warps (one warpgroup: a `[64, x]` tile is one
 ``wgmma`` row block, and ptxas's 255 registers a thread leave room for two programs an SM, where 8
@@ -60,8 +59,9 @@ def plan(lowp: bool, d: int, e: int) -> dict:
         "_output": (feat, dict(num_warps=8, num_stages=st)),
         "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
         "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=w, num_stages=st)),
-        # dq, dk: all e in one block (BE); dv: a grid dimension over value blocks of BV
-        "_dqkv": (dict(feat, BE=_p2(e), BV=BE), dict(num_warps=w, num_stages=1)),  # 2 stages spill the dq part
+        # dq, dk: e in value blocks of BV, columns of dq, dk in blocks of BO (a grid dimension: at d = 128
+        # a [C, d] float32 accumulator spills); dv: a grid dimension over value blocks of BV. 2 stages spill dq
+        "_dqkv": (dict(feat, BE=_p2(e), BV=BE, BO=min(BD, 64)), dict(num_warps=w, num_stages=1)),
     }
 
 
@@ -144,7 +144,8 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
         FINAL_S=dS is not None, FINAL_Z=dz is not None, **flags, **P["_dstates"][0], **P["_dstates"][1])
     for part in DQKV_PARTS:  # dq, dk, dv (dv: over value blocks of BV)
-        grid = (nc, BH, triton.cdiv(e, P["_dqkv"][0]["BV"]) if part == 2 else 1)
+        pq = P["_dqkv"][0]
+        grid = (nc, BH, triton.cdiv(e, pq["BV"]) if part == 2 else triton.cdiv(d, pq["BO"]))
         wrap(_dqkv)[grid](
             q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
             *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,

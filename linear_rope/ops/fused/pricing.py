@@ -4,7 +4,7 @@ kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
 the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
 ``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
-BH); dv's (nc, BH, ne)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
+BH, nd); dv's (nc, BH, ne)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
 recomputing the features (dv in every value block). Mb = cdiv(m, BM) feature blocks
 of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``'s dq, dk: all e, p2(e)),
 BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
@@ -109,6 +109,10 @@ class Shape:
         return _p2(self.e)
 
     @property
+    def nd(self) -> int:  # _dqkv's dq, dk: column blocks of BO = min(64, BD), a grid dimension
+        return _cdiv(self.BD, 64)
+
+    @property
     def sS(self) -> int:  # an element of Sb, dSa
         return 2 if self.lowp else 4
 
@@ -177,7 +181,8 @@ def _dstates(s: Shape):
 def _dqkv(s: Shape, part: int):
     """A program per (chunk, bh), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
     features). dq (0) and dk (1) also read v and dden once, wa once more (the exponents' gradient
-    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk); dv (2), a
+    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk) (e over value
+    blocks of BE where p2(e) > BE: dout, den or v again, below); dv (2), a
     program per (chunk, bh, value block), reads q, k, rmax, den, w, c and the tables in every value
     block, its slice of dout and dSa once. Stores dq, dk or dv."""
     wa = s.m * s.d * (2 if s.lowp else 4)
@@ -186,7 +191,13 @@ def _dqkv(s: Shape, part: int):
         loads = s.BH * (s.ne * (2 * s.q + 8 * s.N + s.nc * 2 * s.w + s.tab) + s.v + s.nc * S)
         stores = s.BH * s.v
         return loads, stores, s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * S) + s.w + s.tab + stores
-    loads = s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + wa + S + 4 * s.m) + s.tab)
+    loads = 2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + S + 4 * s.m) + s.tab
+    nv = _cdiv(s.BEq, s.BE)
+    if nv > 1:  # e over nv value blocks of BE: den read per block for dA, then per feature block dout
+        # and den again (dq: g Sb^T) or v again (dk: v dSa^T)
+        loads += (nv - 1) * 4 * s.N + s.Mb * (s.v + (nv * 4 * s.N if part == 0 else 0))
+    # nd programs of BO columns each read all of it again, but their columns of wa (and k for dk)
+    loads = s.BH * (s.nd * loads + s.nc * wa + (s.q if part == 1 and s.nd > 1 else 0))
     stores = s.BH * s.q
     return loads, stores, s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.states) + s.w + s.tab + stores
 
@@ -234,8 +245,8 @@ def _dqkv_flops(s: Shape, part: int) -> int:
         BE = s.BE
         return s.BH * s.nc * s.ne * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
     # dA = g v^T; d(Rq) = dA Rk + g Sb^T (dq) or d(Rk) = dA^T Rq + v dSa^T (dk); the gradient through wa
-    block += 2 * C * C * BM + 2 * C * BE * BM + 2 * C * BM * BD
-    return s.BH * s.nc * (2 * C * C * BE + s.Mb * block)
+    block += 2 * C * C * BM + 2 * C * BE * BM  # in each of the nd column blocks; the gradient through wa once
+    return s.BH * s.nc * (s.nd * (2 * C * C * BE + s.Mb * block) + s.Mb * 2 * C * BM * BD)
 
 
 # kernel name -> formula of a Shape: bytes (unique, re-read), FLOPs as executed, programs in its grid
@@ -245,7 +256,7 @@ OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden":
                     **{name: (lambda s, p=p: _dqkv_flops(s, p)) for p, name in DQKV_PART.items()}}
 OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.ne, "_output": lambda s: s.nc * s.BH * s.ne,
                    "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.ne,
-                   "_dqkv[dq]": lambda s: s.nc * s.BH, "_dqkv[dk]": lambda s: s.nc * s.BH,
+                   "_dqkv[dq]": lambda s: s.nc * s.BH * s.nd, "_dqkv[dk]": lambda s: s.nc * s.BH * s.nd,
                    "_dqkv[dv]": lambda s: s.nc * s.BH * s.ne}
 
 
