@@ -52,13 +52,14 @@ def plan(lowp: bool, d: int, e: int) -> dict:
     but is 8x further from float64 on large |q|, |k| (``tests/test_fused_kernel.py``'s check
     against the chunk-parallel path in float32: out 0.31 against 0.039 relative)."""
     BD, BE = _p2(d), _be(e)
+    BW = min(BE, 32) if BD > 64 else BE  # the walks' value block: at d = 128 a [64, 128] k or q tile beside S
     st, w = (2, 4) if lowp else (1, 8)
     feat = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp)
     return {
-        "_states": (feat, dict(num_warps=w, num_stages=st)),
+        "_states": (dict(feat, BE=BW), dict(num_warps=w, num_stages=st)),
         "_output": (feat, dict(num_warps=8, num_stages=st)),
         "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
-        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=w, num_stages=st)),
+        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BW, LOWP=lowp), dict(num_warps=w, num_stages=st)),
         # dq, dk: e in value blocks of BV, columns of dq, dk in blocks of BO (a grid dimension: at d = 128
         # a [C, d] float32 accumulator spills); dv: a grid dimension over value blocks of BV. 2 stages spill dq
         "_dqkv": (dict(feat, BE=_p2(e), BV=BE, BO=min(BD, 64)), dict(num_warps=w, num_stages=1)),
@@ -100,14 +101,13 @@ def forward(wrap, q, k, v, wa, wb, c, cos, sin, mask, S0, z0, lowp: bool, out_dt
     cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
     ksc = 0.5 / math.sqrt(d)
     P = plan(lowp, d, e)
-    BE = P["_states"][0]["BE"]
     flags = dict(ROTARY=cos is not None, MASK=mask is not None)
     init = S0 is not None
-    wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
+    wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, P["_states"][0]["BE"]))](
         k, v, wa, wb, c, cos_, sin_, mask_, S0 if init else S, z0 if init else z, Sb, zb, S, z,
         *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, INIT=init, **flags,
         **P["_states"][0], **P["_states"][1])
-    wrap(_output)[(nc, BH, triton.cdiv(e, BE))](
+    wrap(_output)[(nc, BH, triton.cdiv(e, P["_output"][0]["BE"]))](
         q, k, v, wa, wb, c, cos_, sin_, mask_, Sb, zb, out, den, rmax,
         *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, **flags,
         **P["_output"][0], **P["_output"][1])

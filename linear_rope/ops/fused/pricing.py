@@ -1,13 +1,14 @@
 """The fused kernels' price, as built: formulas for ``benchmarks.gpu_predict``, read from the
 kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 
-Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
+Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, nw), a serial walk over
 the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
-``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
+``_dstates`` (grid (BH, Mb, nw), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
 BH, nd); dv's (nc, BH, ne)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
 recomputing the features (dv in every value block). Mb = cdiv(m, BM) feature blocks
-of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``'s dq, dk: all e, p2(e)),
-BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
+of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (the walks' nw = cdiv(e, BW),
+BW = min(BE, 32) where BD > 64, else BE; ``_dqkv``'s dq, dk loop over ne blocks, nd = cdiv(BD, 64)
+column blocks), BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
 
 Bytes: what the kernels' ``tl.load`` / ``tl.store`` ask of global memory, lane by lane (the
 active lanes of each masked access, times the element size), as Triton's interpreter counts them
@@ -105,6 +106,14 @@ class Shape:
         return _cdiv(self.e, self.BE)
 
     @property
+    def BW(self) -> int:  # _states, _dstates (the walks): BE, 32 at most where BD > 64
+        return min(self.BE, 32) if self.BD > 64 else self.BE
+
+    @property
+    def nw(self) -> int:
+        return _cdiv(self.e, self.BW)
+
+    @property
     def BEq(self) -> int:  # _dqkv: all e in one block
         return _p2(self.e)
 
@@ -149,7 +158,7 @@ class Shape:
 def _states(s: Shape):
     """(loads, stores, unique): every (feature, value) block program reads the chunk's k, its v
     slice, its rows of w and c, the tables; stores the state before every chunk, then the final."""
-    loads = s.BH * (s.ne * s.Mb * s.q + s.Mb * s.v + s.ne * s.nc * s.w + s.ne * s.tab)
+    loads = s.BH * (s.nw * s.Mb * s.q + s.Mb * s.v + s.nw * s.nc * s.w + s.nw * s.tab)
     stores = s.BH * (s.states + s.final)
     return loads, stores, s.BH * (s.q + s.v) + s.w + s.tab + stores
 
@@ -173,7 +182,7 @@ def _dden(s: Shape):
 def _dstates(s: Shape):
     """As ``_states``: every block program reads q, rmax, den, dden, its dout slice, its rows of w
     and c, the tables; stores the states' gradients after every chunk, then the initial one's."""
-    loads = s.BH * (s.ne * s.Mb * (s.q + 12 * s.N) + s.Mb * s.v + s.ne * s.nc * s.w + s.ne * s.tab)
+    loads = s.BH * (s.nw * s.Mb * (s.q + 12 * s.N) + s.Mb * s.v + s.nw * s.nc * s.w + s.nw * s.tab)
     stores = s.BH * (s.states + s.final)
     return loads, stores, s.BH * (s.q + s.v + 12 * s.N) + s.w + s.tab + stores
 
@@ -225,7 +234,7 @@ def _feat(s: Shape) -> int:  # the exponents of one feature block (two halves) o
 
 
 def _states_flops(s: Shape) -> int:  # k's features; S += Rk^T v (two halves)
-    return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
+    return s.BH * s.nw * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BW)
 
 
 def _output_flops(s: Shape) -> int:
@@ -235,7 +244,7 @@ def _output_flops(s: Shape) -> int:
 
 
 def _dstates_flops(s: Shape) -> int:  # q's features; dS += Rq^T dnum
-    return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
+    return s.BH * s.nw * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BW)
 
 
 def _dqkv_flops(s: Shape, part: int) -> int:
@@ -254,8 +263,8 @@ OWN_KERNEL_BYTES = {k: _bytes(k) for k in KERNELS}
 OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden": lambda s: 0,
                     "_dstates": _dstates_flops,
                     **{name: (lambda s, p=p: _dqkv_flops(s, p)) for p, name in DQKV_PART.items()}}
-OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.ne, "_output": lambda s: s.nc * s.BH * s.ne,
-                   "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.ne,
+OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.nw, "_output": lambda s: s.nc * s.BH * s.ne,
+                   "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.nw,
                    "_dqkv[dq]": lambda s: s.nc * s.BH * s.nd, "_dqkv[dk]": lambda s: s.nc * s.BH * s.nd,
                    "_dqkv[dv]": lambda s: s.nc * s.BH * s.ne}
 
