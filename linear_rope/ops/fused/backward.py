@@ -158,8 +158,11 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     em = ce < e
     cols = tl.arange(0, BD)
     cm = cols < d
-    ocols = tl.program_id(2) * BO + tl.arange(0, BO)  # dq, dk: the columns of this program
-    om = ocols < d
+    if BO == BD:  # dq, dk: the columns of this program
+        ocols, om = cols, cm
+    else:
+        ocols = tl.program_id(2) * BO + tl.arange(0, BO)
+        om = ocols < d
     i = tl.arange(0, C)
     t = ci * C + i.to(tl.int64)
     tm = t < N
