@@ -114,7 +114,7 @@ class Shape:
         return _cdiv(self.e, self.BW)
 
     @property
-    def BEq(self) -> int:  # _dqkv: all e in one block
+    def BEq(self) -> int:  # _dqkv dq, dk: all e, in value blocks of BE
         return _p2(self.e)
 
     @property
@@ -188,7 +188,7 @@ def _dstates(s: Shape):
 
 
 def _dqkv(s: Shape, part: int):
-    """A program per (chunk, bh), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
+    """A program per (chunk, bh, column block), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
     features). dq (0) and dk (1) also read v and dden once, wa once more (the exponents' gradient
     through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk) (e over value
     blocks of BE where p2(e) > BE: dout, den or v again, below); dv (2), a
