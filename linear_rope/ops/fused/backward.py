@@ -130,12 +130,12 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tb, s_tn, s_tp, s_mb,
           N, H, nc, m, d, e, ksc,
           FLOOR: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-          BV: tl.constexpr, BO: tl.constexpr, ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr,
+          BV: tl.constexpr, BU: tl.constexpr, BO: tl.constexpr, ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr,
           PART: tl.constexpr):
     """Grid (nc, B H, cdiv(d, BO)), launched three times: one chunk's dq `[C, d]` (``PART`` 0:
     from the states before the chunk, Sb and zb) or its dk `[C, d]` (1), BO columns a program,
     e in value blocks of BV (one where BE = BV: g and v held; else read again), or its dv
-    `[C, e]` (2: grid (nc, B H, cdiv(e, BV)), a value block of BV a program; from the gradients
+    `[C, e]` (2: grid (nc, B H, cdiv(e, BU)), a value block of BU a program; from the gradients
     of the states after it, dSa, and dza for dk), accumulated over
     the feature blocks from the recomputed features; stored in the inputs' dtype `[B, H, N, x]`
     contiguous (0 for masked tokens). Three kernels, each recomputing the features, rather than
@@ -151,8 +151,8 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     sin += b * s_tb
     lanes = tl.arange(0, BM // 2)
     if PART == 2:
-        ce = tl.program_id(2) * BV + tl.arange(0, BV)
-        gv = tl.zeros([C, BV], dtype=tl.float32)
+        ce = tl.program_id(2) * BU + tl.arange(0, BU)
+        gv = tl.zeros([C, BU], dtype=tl.float32)
     else:
         ce = tl.arange(0, BE)
     em = ce < e

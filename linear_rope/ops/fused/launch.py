@@ -61,8 +61,10 @@ def plan(lowp: bool, d: int, e: int) -> dict:
         "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
         "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BW, LOWP=lowp), dict(num_warps=w, num_stages=st)),
         # dq, dk: e in value blocks of BV, columns of dq, dk in blocks of BO (a grid dimension: at d = 128
-        # a [C, d] float32 accumulator spills); dv: a grid dimension over value blocks of BV. 2 stages spill dq
-        "_dqkv": (dict(feat, BE=_p2(e), BV=BE, BO=min(BD, 64)), dict(num_warps=w, num_stages=1)),
+        # a [C, d] float32 accumulator spills); dv: a grid dimension over value blocks of BU. 2 stages spill dq
+        # dv's value block BU: 32 at most in float32 (at 64 its dv spills 4.1 KB, at 32 0.8 KB)
+        "_dqkv": (dict(feat, BE=_p2(e), BV=BE, BU=BE if lowp else min(BE, 32), BO=min(BD, 64)),
+                  dict(num_warps=w, num_stages=1)),
     }
 
 
@@ -143,9 +145,9 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
         q, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, dz0 if dS is None else dS,
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
         FINAL_S=dS is not None, FINAL_Z=dz is not None, **flags, **P["_dstates"][0], **P["_dstates"][1])
-    for part in DQKV_PARTS:  # dq, dk, dv (dv: over value blocks of BV)
+    for part in DQKV_PARTS:  # dq, dk, dv (dv: over value blocks of BU)
         pq = P["_dqkv"][0]
-        grid = (nc, BH, triton.cdiv(e, pq["BV"]) if part == 2 else triton.cdiv(d, pq["BO"]))
+        grid = (nc, BH, triton.cdiv(e, pq["BU"]) if part == 2 else triton.cdiv(d, pq["BO"]))
         wrap(_dqkv)[grid](
             q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
             *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,

@@ -4,11 +4,12 @@ kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, nw), a serial walk over
 the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
 ``_dstates`` (grid (BH, Mb, nw), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
-BH, nd); dv's (nc, BH, ne)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
+BH, nd); dv's (nc, BH, nu)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
 recomputing the features (dv in every value block). Mb = cdiv(m, BM) feature blocks
 of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (the walks' nw = cdiv(e, BW),
 BW = min(BE, 32) where BD > 64, else BE; ``_dqkv``'s dq, dk loop over ne blocks, nd = cdiv(BD, 64)
-column blocks), BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
+column blocks, dv's nu = cdiv(e, BU), BU = BE, 32 at most in float32), BD = p2(d), C = 64 tokens
+a chunk; p2(x) = the next power of two >= max(x, 16).
 
 Bytes: what the kernels' ``tl.load`` / ``tl.store`` ask of global memory, lane by lane (the
 active lanes of each masked access, times the element size), as Triton's interpreter counts them
@@ -114,6 +115,14 @@ class Shape:
         return _cdiv(self.e, self.BW)
 
     @property
+    def BU(self) -> int:  # _dqkv's dv: value blocks of BE, 32 at most in float32 (a grid dimension)
+        return self.BE if self.lowp else min(self.BE, 32)
+
+    @property
+    def nu(self) -> int:
+        return _cdiv(self.e, self.BU)
+
+    @property
     def BEq(self) -> int:  # _dqkv dq, dk: all e, in value blocks of BE
         return _p2(self.e)
 
@@ -197,7 +206,7 @@ def _dqkv(s: Shape, part: int):
     wa = s.m * s.d * (2 if s.lowp else 4)
     S = s.m * s.e * s.sS  # Sb or dSa, a chunk
     if part == 2:
-        loads = s.BH * (s.ne * (2 * s.q + 8 * s.N + s.nc * 2 * s.w + s.tab) + s.v + s.nc * S)
+        loads = s.BH * (s.nu * (2 * s.q + 8 * s.N + s.nc * 2 * s.w + s.tab) + s.v + s.nc * S)
         stores = s.BH * s.v
         return loads, stores, s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * S) + s.w + s.tab + stores
     loads = 2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + S + 4 * s.m) + s.tab
@@ -250,9 +259,9 @@ def _dstates_flops(s: Shape) -> int:  # q's features; dS += Rq^T dnum
 def _dqkv_flops(s: Shape, part: int) -> int:
     C, BM, BE, BD = s.C, s.BM, s.BEq, s.BD
     block = 2 * _feat(s)  # q's and k's features, every block
-    if part == 2:  # per value block of BE: A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
-        BE = s.BE
-        return s.BH * s.nc * s.ne * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
+    if part == 2:  # per value block of BU: A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
+        BE = s.BU
+        return s.BH * s.nc * s.nu * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
     # dA = g v^T; d(Rq) = dA Rk + g Sb^T (dq) or d(Rk) = dA^T Rq + v dSa^T (dk); the gradient through wa
     block += 2 * C * C * BM + 2 * C * BE * BM  # in each of the nd column blocks; the gradient through wa once
     return s.BH * s.nc * (s.nd * (2 * C * C * BE + s.Mb * block) + s.Mb * 2 * C * BM * BD)
@@ -266,7 +275,7 @@ OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden":
 OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.nw, "_output": lambda s: s.nc * s.BH * s.ne,
                    "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.nw,
                    "_dqkv[dq]": lambda s: s.nc * s.BH * s.nd, "_dqkv[dk]": lambda s: s.nc * s.BH * s.nd,
-                   "_dqkv[dv]": lambda s: s.nc * s.BH * s.ne}
+                   "_dqkv[dv]": lambda s: s.nc * s.BH * s.nu}
 
 
 def fill(programs: int, sms: int = SMS) -> tuple[int, float]:
