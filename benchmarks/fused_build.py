@@ -164,6 +164,8 @@ def main(argv=None) -> int:
                          "(default: the fused kernels, a representative subset)")
     ap.add_argument("--all", action="store_true", help="the fused kernels: every launchable specialization")
     ap.add_argument("--dims", default=None, help="the fused kernels: d and e, comma-separated (default 16,32,64,128)")
+    ap.add_argument("--pairs", default=None, help="the fused kernels: (d, e) pairs d:e, comma-separated (instead of --dims)")
+    ap.add_argument("--kernels", default=None, help="the fused kernels: comma-separated names (default all)")
     ap.add_argument("--toy", action="store_true", help="the toy tl.dot kernel")
     ap.add_argument("--dtypes", default=None, help="the fused kernels: comma-separated, of "
                     "bf16, fp16, fp16-fp32, fp32 (default all)")
@@ -187,7 +189,10 @@ def main(argv=None) -> int:
     else:
         from benchmarks import fused_kernels
         builds = fused_kernels.builds(full=a.all, dtypes=a.dtypes.split(",") if a.dtypes else None,
-                                      dims=tuple(int(x) for x in a.dims.split(",")) if a.dims else fused_kernels.DIMS)
+                                      dims=tuple(int(x) for x in a.dims.split(",")) if a.dims else fused_kernels.DIMS,
+                                      pairs=[tuple(map(int, p.split(":"))) for p in a.pairs.split(",")] if a.pairs else None)
+        if a.kernels:
+            builds = [b for b in builds if b[0] in a.kernels.split(",")]
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="linear_rope-fused-build-"))
     rows = build(builds)
     print(markdown(rows) if a.markdown else table(rows))

@@ -53,9 +53,9 @@ def signature(fn, constexprs: dict, dt: str, lowp: bool) -> dict:
     return sig
 
 
-def builds(full: bool = False, dtypes=None, dims=DIMS) -> list:
+def builds(full: bool = False, dtypes=None, dims=DIMS, pairs=None) -> list:
     """(name, jit fn, signature, constexprs, options, label) for every specialization (``full``)
-    or the representative subset (every flag on)."""
+    or the representative subset (every flag on); at every (d, e) of ``dims`` or those of ``pairs``."""
     from linear_rope.ops.fused import backward, forward, launch
 
     fns = {"_states": forward._states, "_output": forward._output, "_dden": backward._dden,
@@ -63,7 +63,7 @@ def builds(full: bool = False, dtypes=None, dims=DIMS) -> list:
     out, seen = [], set()
     for dname in dtypes or DTYPES:
         dt, lowp = DTYPES[dname]
-        for d, e in itertools.product(dims, dims):
+        for d, e in pairs or itertools.product(dims, dims):
             for name, (consts, options) in launch.plan(lowp, d, e).items():
                 names = launch.FLAGS[name]
                 combos = itertools.product((True, False), repeat=len(names)) if full else [(True,) * len(names)]

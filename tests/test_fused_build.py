@@ -81,3 +81,20 @@ def test_the_fused_kernels_build_for_sm90_without_spills(tmp_path):
         if r["kernel"] != "_dden":
             assert r["mma"] or r["wgmma"], where
         assert r["programs_per_sm"] >= (1 if r["kernel"] in fk.ONE_PROGRAM else 2), where
+
+
+def test_the_value_blocks_and_d128_walks_build_without_spills(tmp_path):
+    """What value blocks made spill-free in bf16 on Triton 3.6 (docs/gpu.md): at e = 128 (d = 64)
+    ``_dqkv``'s dk (e in value blocks of 64 in a loop) and dv (a grid dimension over them), and at
+    d = 128 ``_dstates`` (value blocks of 32). dq at (64, 128) still spills (52-64 B: not held)."""
+    import triton
+
+    from benchmarks import fused_kernels as fk
+
+    spill = 0 if triton.__version__.startswith("3.6.") else fk.OTHER_TRITON_SPILL
+    rows, _ = _rows(tmp_path, "--dtypes", "bf16", "--pairs", "64:128", "--kernels", "_dqkv")
+    rows2, _ = _rows(tmp_path, "--dtypes", "bf16", "--pairs", "128:128", "--kernels", "_dstates")
+    held = [r for r in rows if r["config"]["PART"] != 0] + rows2
+    assert len(held) == 3 and {r["config"]["BE"] for r in rows2} == {32}
+    for r in held:
+        assert r["ok"] and r["spill_store_bytes"] <= spill and r["programs_per_sm"] >= 2, f"{r['kernel']} {r['config']}"

@@ -14,7 +14,7 @@ import torch
 __all__ = ["MAX_D", "MAX_E", "fused_refusal", "supports_fused", "triton_available"]
 
 MAX_D = 128  # q, k head dim (one [64, d] tile)
-MAX_E = 128  # value width (the backward's dq, dk, dv kernel holds all e at once)
+MAX_E = 128  # value width (the backward's dq, dk loop over value blocks of 64 up to it)
 CHUNK = 64  # tokens a chunk (launch.C)
 STATE_BYTES = 4 << 30  # the states before every chunk, at most (as parallel.STATE_BYTES, counted in float32)
 

@@ -130,10 +130,13 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tb, s_tn, s_tp, s_mb,
           N, H, nc, m, d, e, ksc,
           FLOOR: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-          ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr, PART: tl.constexpr):
-    """Grid (nc, B H), launched three times: one chunk's dq `[C, d]` (``PART`` 0: from the states
-    before the chunk, Sb and zb), its dk `[C, d]` (1) or its dv `[C, e]` (2: from the gradients
-    of the states after it, dSa, and dza for dk), all e in one block (BE >= e), accumulated over
+          BV: tl.constexpr, BU: tl.constexpr, BO: tl.constexpr, ROTARY: tl.constexpr, LOWP: tl.constexpr, MASK: tl.constexpr,
+          PART: tl.constexpr):
+    """Grid (nc, B H, cdiv(d, BO)), launched three times: one chunk's dq `[C, d]` (``PART`` 0:
+    from the states before the chunk, Sb and zb) or its dk `[C, d]` (1), BO columns a program,
+    e in value blocks of BV (one where BE = BV: g and v held; else read again), or its dv
+    `[C, e]` (2: grid (nc, B H, cdiv(e, BU)), a value block of BU a program; from the gradients
+    of the states after it, dSa, and dza for dk), accumulated over
     the feature blocks from the recomputed features; stored in the inputs' dtype `[B, H, N, x]`
     contiguous (0 for masked tokens). Three kernels, each recomputing the features, rather than
     one holding every accumulator: built for sm_90 (4 warps) dk and dv in one spilled 1 KB a
@@ -147,10 +150,19 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     cos += b * s_tb
     sin += b * s_tb
     lanes = tl.arange(0, BM // 2)
-    ce = tl.arange(0, BE)
+    if PART == 2:
+        ce = tl.program_id(2) * BU + tl.arange(0, BU)
+        gv = tl.zeros([C, BU], dtype=tl.float32)
+    else:
+        ce = tl.arange(0, BE)
     em = ce < e
     cols = tl.arange(0, BD)
     cm = cols < d
+    if BO == BD:  # dq, dk: the columns of this program
+        ocols, om = cols, cm
+    else:
+        ocols = tl.program_id(2) * BO + tl.arange(0, BO)
+        om = ocols < d
     i = tl.arange(0, C)
     t = ci * C + i.to(tl.int64)
     tm = t < N
@@ -161,16 +173,26 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
     kt = _op(tl.where(real[:, None], _rows(k, t, tm, s_kn, cols, cm), 0.0), LOWP)
     ksq = ksc * tl.sum(kt.to(tl.float32) * kt.to(tl.float32), 1)
     rmx = tl.load(rmax + bh * N + t, mask=tm, other=0.0)
-    g = _op(_dnum(do, den, mask, bh, b, t, tm, ce, em, s_mb, N, e, MASK), LOWP)
     causal = i[:, None] >= i[None, :]
+    if PART == 2 or BE == BV:
+        g = _op(_dnum(do, den, mask, bh, b, t, tm, ce, em, s_mb, N, e, MASK), LOWP)
     if PART != 2:
-        vt = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, ce, em), 0.0), LOWP)
-        dA = _op(tl.where(causal, _dot(g, tl.trans(vt), LOWP), 0.0), LOWP)
+        if BE == BV:
+            vt = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, ce, em), 0.0), LOWP)
+            dA = _op(tl.where(causal, _dot(g, tl.trans(vt), LOWP), 0.0), LOWP)
+        else:  # e over value blocks of BV: dA accumulated, g and v read again where needed
+            dA = tl.zeros([C, C], dtype=tl.float32)
+            for v0 in range(0, BE, BV):
+                cv = v0 + tl.arange(0, BV)
+                vm = cv < e
+                gb = _op(_dnum(do, den, mask, bh, b, t, tm, cv, vm, s_mb, N, e, MASK), LOWP)
+                vb = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, cv, vm), 0.0), LOWP)
+                dA += _dot(gb, tl.trans(vb), LOWP)
+            dA = _op(tl.where(causal, dA, 0.0), LOWP)
         dd = tl.load(dden + bh * N + t, mask=tm, other=0.0)
         dd16 = _op(dd, LOWP).to(tl.float32)  # the GEMM operand of tril(dden 1^T), as the parallel path rounds it
     A = tl.zeros([C, C], dtype=tl.float32)
-    gv = tl.zeros([C, BE], dtype=tl.float32)
-    gx = tl.zeros([C, BD], dtype=tl.float32)  # dq or dk
+    gx = tl.zeros([C, BO], dtype=tl.float32)  # dq or dk: its columns ocols
     gks = tl.zeros([C], dtype=tl.float32)
     at = bh * nc + ci
     for j0 in range(0, m, BM):
@@ -188,10 +210,22 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
         if PART == 0:
             # R phi_q's gradient, back through R (its transpose); then the unrotated denominator's:
             # tril(dden 1^T) phi_k as a prefix sum over the chunk's rows (no [C, C] GEMM)
-            Sbe = tl.load(Sb + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
-            Sbo = tl.load(Sb + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
-            gqe = _dot(dA, rke, LOWP) + _dot(g, tl.trans(Sbe), LOWP)
-            gqo = _dot(dA, rko, LOWP) + _dot(g, tl.trans(Sbo), LOWP)
+            if BE == BV:
+                Sbe = tl.load(Sb + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
+                Sbo = tl.load(Sb + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
+                gqe = _dot(dA, rke, LOWP) + _dot(g, tl.trans(Sbe), LOWP)
+                gqo = _dot(dA, rko, LOWP) + _dot(g, tl.trans(Sbo), LOWP)
+            else:
+                gqe = _dot(dA, rke, LOWP)
+                gqo = _dot(dA, rko, LOWP)
+                for v0 in range(0, BE, BV):
+                    cv = v0 + tl.arange(0, BV)
+                    vm = cv < e
+                    gb = _op(_dnum(do, den, mask, bh, b, t, tm, cv, vm, s_mb, N, e, MASK), LOWP)
+                    Sbe = tl.load(Sb + at * m * e + je[:, None] * e + cv[None, :], mask=me[:, None] & vm[None, :], other=0.0)
+                    Sbo = tl.load(Sb + at * m * e + jo[:, None] * e + cv[None, :], mask=mo[:, None] & vm[None, :], other=0.0)
+                    gqe += _dot(gb, tl.trans(Sbe), LOWP)
+                    gqo += _dot(gb, tl.trans(Sbo), LOWP)
             if ROTARY:
                 gqe, gqo = _rot_t(gqe, gqo, cs, sn)
             zbe = tl.load(zb + at * m + je, mask=me, other=0.0)
@@ -199,22 +233,36 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
             gqe += dd16[:, None] * tl.cumsum(_op(fke, LOWP).to(tl.float32), 0) + dd[:, None] * zbe[None, :]
             gqo += dd16[:, None] * tl.cumsum(_op(fko, LOWP).to(tl.float32), 0) + dd[:, None] * zbo[None, :]
             # the exponents' gradients, then the projection's rows (its bf16 value part)
-            wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & cm[None, :], other=0.0)
-            wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & cm[None, :], other=0.0)
+            wae = tl.load(wa + je[:, None] * d + ocols[None, :], mask=me[:, None] & om[None, :], other=0.0)
+            wao = tl.load(wa + jo[:, None] * d + ocols[None, :], mask=mo[:, None] & om[None, :], other=0.0)
             gx += _dot(_op(gqe * fqe, LOWP), wae, LOWP) + _dot(_op(gqo * fqo, LOWP), wao, LOWP)
         else:
             rqe, rqo = fqe, fqo
             if ROTARY:
                 rqe, rqo = _rot(fqe, fqo, cs, sn)
             rqe, rqo = _op(rqe, LOWP), _op(rqo, LOWP)
-            dSe = tl.load(dSa + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
-            dSo = tl.load(dSa + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
             if PART == 2:
+                dSe = tl.load(dSa + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
+                dSo = tl.load(dSa + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
                 A += _dot(rqe, tl.trans(rke), LOWP) + _dot(rqo, tl.trans(rko), LOWP)
                 gv += _dot(rke, dSe, LOWP) + _dot(rko, dSo, LOWP)
             else:
-                gke = _dot(tl.trans(dA), rqe, LOWP) + _dot(vt, tl.trans(dSe), LOWP)
-                gko = _dot(tl.trans(dA), rqo, LOWP) + _dot(vt, tl.trans(dSo), LOWP)
+                if BE == BV:
+                    dSe = tl.load(dSa + at * m * e + je[:, None] * e + ce[None, :], mask=mse, other=0.0)
+                    dSo = tl.load(dSa + at * m * e + jo[:, None] * e + ce[None, :], mask=mso, other=0.0)
+                    gke = _dot(tl.trans(dA), rqe, LOWP) + _dot(vt, tl.trans(dSe), LOWP)
+                    gko = _dot(tl.trans(dA), rqo, LOWP) + _dot(vt, tl.trans(dSo), LOWP)
+                else:
+                    gke = _dot(tl.trans(dA), rqe, LOWP)
+                    gko = _dot(tl.trans(dA), rqo, LOWP)
+                    for v0 in range(0, BE, BV):
+                        cv = v0 + tl.arange(0, BV)
+                        vm = cv < e
+                        vb = _op(tl.where(real[:, None], _rows(v, t, tm, s_vn, cv, vm), 0.0), LOWP)
+                        dSe = tl.load(dSa + at * m * e + je[:, None] * e + cv[None, :], mask=me[:, None] & vm[None, :], other=0.0)
+                        dSo = tl.load(dSa + at * m * e + jo[:, None] * e + cv[None, :], mask=mo[:, None] & vm[None, :], other=0.0)
+                        gke += _dot(vb, tl.trans(dSe), LOWP)
+                        gko += _dot(vb, tl.trans(dSo), LOWP)
                 if ROTARY:
                     gke, gko = _rot_t(gke, gko, cs, sn)
                 # the denominator's: tril(dden 1^T)^T phi_q as a suffix sum over the chunk's rows
@@ -224,17 +272,21 @@ def _dqkv(q, k, v, wa, wb, c, cos, sin, mask, do, den, rmax, dden, Sb, zb, dSa, 
                 gko += tl.cumsum(dd16[:, None] * _op(fqo, LOWP).to(tl.float32), 0, reverse=True) + dzo[None, :]
                 ake = tl.where(ine, gke * fke, 0.0)  # 0 where the exponent was clamped
                 ako = tl.where(ino, gko * fko, 0.0)
-                wae = tl.load(wa + je[:, None] * d + cols[None, :], mask=me[:, None] & cm[None, :], other=0.0)
-                wao = tl.load(wa + jo[:, None] * d + cols[None, :], mask=mo[:, None] & cm[None, :], other=0.0)
+                wae = tl.load(wa + je[:, None] * d + ocols[None, :], mask=me[:, None] & om[None, :], other=0.0)
+                wao = tl.load(wa + jo[:, None] * d + ocols[None, :], mask=mo[:, None] & om[None, :], other=0.0)
                 gx += _dot(_op(ake, LOWP), wae, LOWP) + _dot(_op(ako, LOWP), wao, LOWP)
                 gks += tl.sum(ake, 1) + tl.sum(ako, 1)
     keep = real[:, None]
-    od = bh * N * d + t[:, None] * d + cols[None, :]
+    od = bh * N * d + t[:, None] * d + ocols[None, :]
     if PART == 0:
-        tl.store(dq + od, tl.where(keep, gx, 0.0).to(dq.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+        tl.store(dq + od, tl.where(keep, gx, 0.0).to(dq.dtype.element_ty), mask=tm[:, None] & om[None, :])
     elif PART == 1:
-        gx -= (2.0 * ksc) * kt.to(tl.float32) * gks[:, None]
-        tl.store(dk + od, tl.where(keep, gx, 0.0).to(dk.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+        if BO == BD:
+            ko = kt
+        else:
+            ko = _op(tl.where(real[:, None], _rows(k, t, tm, s_kn, ocols, om), 0.0), LOWP)
+        gx -= (2.0 * ksc) * ko.to(tl.float32) * gks[:, None]
+        tl.store(dk + od, tl.where(keep, gx, 0.0).to(dk.dtype.element_ty), mask=tm[:, None] & om[None, :])
     else:
         gv += _dot(tl.trans(_op(tl.where(causal, A, 0.0), LOWP)), g, LOWP)
         tl.store(dv + bh * N * e + t[:, None] * e + ce[None, :], tl.where(keep, gv, 0.0).to(dv.dtype.element_ty),

@@ -3,8 +3,7 @@ from the ``triton_op`` bodies of ``op.py`` through ``wrap_triton`` (so Inductor 
 
 Block sizes: C = 64 tokens a chunk, features in blocks of BM = 32 (two halves of 16: every tile
 dim of a ``tl.dot`` at least 16), d padded to BD = next power of two >= 16, values in blocks of
-BE = min(64, next power of two of e) (``_output`` and ``_states``; the backward's ``_dqkv`` takes
-all e at once: e <= 128). ``plan`` holds every launch's block sizes, warps and stages, and
+BE = min(64, next power of two of e) (``_output``, ``_states``, ``_dstates``, ``_dqkv``'s BV). ``plan`` holds every launch's block sizes, warps and stages, and
 ``benchmarks/fused_build.py`` builds exactly those for sm_90 (registers, spills, shared memory,
 tensor-core instructions; no GPU measured them): 4 warps (one warpgroup: a `[64, x]` tile is one
 ``wgmma`` row block, and ptxas's 255 registers a thread leave room for two programs an SM, where 8
@@ -53,14 +52,19 @@ def plan(lowp: bool, d: int, e: int) -> dict:
     but is 8x further from float64 on large |q|, |k| (``tests/test_fused_kernel.py``'s check
     against the chunk-parallel path in float32: out 0.31 against 0.039 relative)."""
     BD, BE = _p2(d), _be(e)
+    BW = min(BE, 32) if BD > 64 else BE  # the walks' value block: at d = 128 a [64, 128] k or q tile beside S
     st, w = (2, 4) if lowp else (1, 8)
     feat = dict(FLOOR=FLOOR, C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp)
     return {
-        "_states": (feat, dict(num_warps=w, num_stages=st)),
+        "_states": (dict(feat, BE=BW), dict(num_warps=w, num_stages=st)),
         "_output": (feat, dict(num_warps=8, num_stages=st)),
         "_dden": (dict(C=C, BE=BE), dict(num_warps=4, num_stages=st)),
-        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BE, LOWP=lowp), dict(num_warps=w, num_stages=st)),
-        "_dqkv": (dict(feat, BE=_p2(e)), dict(num_warps=w, num_stages=1)),  # 2 stages spill the dq part
+        "_dstates": (dict(C=C, BM=BM, BD=BD, BE=BW, LOWP=lowp), dict(num_warps=w, num_stages=st)),
+        # dq, dk: e in value blocks of BV, columns of dq, dk in blocks of BO (a grid dimension: at d = 128
+        # a [C, d] float32 accumulator spills); dv: a grid dimension over value blocks of BU. 2 stages spill dq
+        # dv's value block BU: 32 at most in float32 (at 64 its dv spills 4.1 KB, at 32 0.8 KB)
+        "_dqkv": (dict(feat, BE=_p2(e), BV=BE, BU=BE if lowp else min(BE, 32), BO=min(BD, 64)),
+                  dict(num_warps=w, num_stages=1)),
     }
 
 
@@ -99,14 +103,13 @@ def forward(wrap, q, k, v, wa, wb, c, cos, sin, mask, S0, z0, lowp: bool, out_dt
     cos_, sin_, mask_, st, sm = _table_args(cos, sin, mask, c)
     ksc = 0.5 / math.sqrt(d)
     P = plan(lowp, d, e)
-    BE = P["_states"][0]["BE"]
     flags = dict(ROTARY=cos is not None, MASK=mask is not None)
     init = S0 is not None
-    wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, BE))](
+    wrap(_states)[(BH, triton.cdiv(m, BM), triton.cdiv(e, P["_states"][0]["BE"]))](
         k, v, wa, wb, c, cos_, sin_, mask_, S0 if init else S, z0 if init else z, Sb, zb, S, z,
         *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, INIT=init, **flags,
         **P["_states"][0], **P["_states"][1])
-    wrap(_output)[(nc, BH, triton.cdiv(e, BE))](
+    wrap(_output)[(nc, BH, triton.cdiv(e, P["_output"][0]["BE"]))](
         q, k, v, wa, wb, c, cos_, sin_, mask_, Sb, zb, out, den, rmax,
         *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc, **flags,
         **P["_output"][0], **P["_output"][1])
@@ -142,8 +145,10 @@ def backward(wrap, q, k, v, wa, wb, c, cos, sin, mask, out, den, rmax, Sb, zb, d
         q, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, dz0 if dS is None else dS,
         dz0 if dz is None else dz, dSa, dza, dS0, dz0, *_strides3(q), *st, *sm, N, H, nc, m, d, e,
         FINAL_S=dS is not None, FINAL_Z=dz is not None, **flags, **P["_dstates"][0], **P["_dstates"][1])
-    for part in DQKV_PARTS:  # dq, dk, dv
-        wrap(_dqkv)[(nc, BH)](
+    for part in DQKV_PARTS:  # dq, dk, dv (dv: over value blocks of BU)
+        pq = P["_dqkv"][0]
+        grid = (nc, BH, triton.cdiv(e, pq["BU"]) if part == 2 else triton.cdiv(d, pq["BO"]))
+        wrap(_dqkv)[grid](
             q, k, v, wa, wb, c, cos_, sin_, mask_, dout, den, rmax, dden, Sb, zb, dSa, dza, dq, dk, dv,
             *_strides3(q), *_strides3(k), *_strides3(v), *st, *sm, N, H, nc, m, d, e, ksc,
             PART=part, **flags, **P["_dqkv"][0], **P["_dqkv"][1])

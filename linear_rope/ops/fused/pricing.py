@@ -1,13 +1,15 @@
 """The fused kernels' price, as built: formulas for ``benchmarks.gpu_predict``, read from the
 kernels' source (``forward.py``, ``backward.py``, ``launch.py``).
 
-Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, ne), a serial walk over
+Five kernels, seven launches a layer: forward ``_states`` (grid (BH, Mb, nw), a serial walk over
 the nc chunks) and ``_output`` (grid (nc, BH, ne)); backward ``_dden`` (grid (nc, BH)),
-``_dstates`` (grid (BH, Mb, ne), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
-BH)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each recomputing the
-features. Mb = cdiv(m, BM) feature blocks
-of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (``_dqkv``: all e, p2(e)),
-BD = p2(d), C = 64 tokens a chunk; p2(x) = the next power of two >= max(x, 16).
+``_dstates`` (grid (BH, Mb, nw), a reverse walk) and ``_dqkv`` launched three times (grid (nc,
+BH, nd); dv's (nc, BH, nu)) by its PART: ``_dqkv[dq]`` (0), ``_dqkv[dk]`` (1), ``_dqkv[dv]`` (2), each
+recomputing the features (dv in every value block). Mb = cdiv(m, BM) feature blocks
+of BM = 32, ne = cdiv(e, BE) value blocks of BE = min(64, p2(e)) (the walks' nw = cdiv(e, BW),
+BW = min(BE, 32) where BD > 64, else BE; ``_dqkv``'s dq, dk loop over ne blocks, nd = cdiv(BD, 64)
+column blocks, dv's nu = cdiv(e, BU), BU = BE, 32 at most in float32), BD = p2(d), C = 64 tokens
+a chunk; p2(x) = the next power of two >= max(x, 16).
 
 Bytes: what the kernels' ``tl.load`` / ``tl.store`` ask of global memory, lane by lane (the
 active lanes of each masked access, times the element size), as Triton's interpreter counts them
@@ -105,8 +107,28 @@ class Shape:
         return _cdiv(self.e, self.BE)
 
     @property
-    def BEq(self) -> int:  # _dqkv: all e in one block
+    def BW(self) -> int:  # _states, _dstates (the walks): BE, 32 at most where BD > 64
+        return min(self.BE, 32) if self.BD > 64 else self.BE
+
+    @property
+    def nw(self) -> int:
+        return _cdiv(self.e, self.BW)
+
+    @property
+    def BU(self) -> int:  # _dqkv's dv: value blocks of BE, 32 at most in float32 (a grid dimension)
+        return self.BE if self.lowp else min(self.BE, 32)
+
+    @property
+    def nu(self) -> int:
+        return _cdiv(self.e, self.BU)
+
+    @property
+    def BEq(self) -> int:  # _dqkv dq, dk: all e, in value blocks of BE
         return _p2(self.e)
+
+    @property
+    def nd(self) -> int:  # _dqkv's dq, dk: column blocks of BO = min(64, BD), a grid dimension
+        return _cdiv(self.BD, 64)
 
     @property
     def sS(self) -> int:  # an element of Sb, dSa
@@ -145,7 +167,7 @@ class Shape:
 def _states(s: Shape):
     """(loads, stores, unique): every (feature, value) block program reads the chunk's k, its v
     slice, its rows of w and c, the tables; stores the state before every chunk, then the final."""
-    loads = s.BH * (s.ne * s.Mb * s.q + s.Mb * s.v + s.ne * s.nc * s.w + s.ne * s.tab)
+    loads = s.BH * (s.nw * s.Mb * s.q + s.Mb * s.v + s.nw * s.nc * s.w + s.nw * s.tab)
     stores = s.BH * (s.states + s.final)
     return loads, stores, s.BH * (s.q + s.v) + s.w + s.tab + stores
 
@@ -169,23 +191,31 @@ def _dden(s: Shape):
 def _dstates(s: Shape):
     """As ``_states``: every block program reads q, rmax, den, dden, its dout slice, its rows of w
     and c, the tables; stores the states' gradients after every chunk, then the initial one's."""
-    loads = s.BH * (s.ne * s.Mb * (s.q + 12 * s.N) + s.Mb * s.v + s.ne * s.nc * s.w + s.ne * s.tab)
+    loads = s.BH * (s.nw * s.Mb * (s.q + 12 * s.N) + s.Mb * s.v + s.nw * s.nc * s.w + s.nw * s.tab)
     stores = s.BH * (s.states + s.final)
     return loads, stores, s.BH * (s.q + s.v + 12 * s.N) + s.w + s.tab + stores
 
 
 def _dqkv(s: Shape, part: int):
-    """A program per (chunk, bh), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
+    """A program per (chunk, bh, column block), all e: q, k, dout, rmax, den once; w and c twice (q's and k's
     features). dq (0) and dk (1) also read v and dden once, wa once more (the exponents' gradient
-    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk); dv (2) reads
-    dSa only. Stores dq, dk or dv."""
+    through it) and the states of their side: Sb and zb (dq) or dSa and dza (dk) (e over value
+    blocks of BE where p2(e) > BE: dout, den or v again, below); dv (2), a
+    program per (chunk, bh, value block), reads q, k, rmax, den, w, c and the tables in every value
+    block, its slice of dout and dSa once. Stores dq, dk or dv."""
     wa = s.m * s.d * (2 if s.lowp else 4)
     S = s.m * s.e * s.sS  # Sb or dSa, a chunk
     if part == 2:
-        loads = s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * (2 * s.w + S) + s.tab)
+        loads = s.BH * (s.nu * (2 * s.q + 8 * s.N + s.nc * 2 * s.w + s.tab) + s.v + s.nc * S)
         stores = s.BH * s.v
         return loads, stores, s.BH * (2 * s.q + s.v + 8 * s.N + s.nc * S) + s.w + s.tab + stores
-    loads = s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + wa + S + 4 * s.m) + s.tab)
+    loads = 2 * s.q + 2 * s.v + 12 * s.N + s.nc * (2 * s.w + S + 4 * s.m) + s.tab
+    nv = _cdiv(s.BEq, s.BE)
+    if nv > 1:  # e over nv value blocks of BE: den read per block for dA, then per feature block dout
+        # and den again (dq: g Sb^T) or v again (dk: v dSa^T)
+        loads += (nv - 1) * 4 * s.N + s.Mb * (s.v + (nv * 4 * s.N if part == 0 else 0))
+    # nd programs of BO columns each read all of it again, but their columns of wa (and k for dk)
+    loads = s.BH * (s.nd * loads + s.nc * wa + (s.q if part == 1 and s.nd > 1 else 0))
     stores = s.BH * s.q
     return loads, stores, s.BH * (2 * s.q + 2 * s.v + 12 * s.N + s.states) + s.w + s.tab + stores
 
@@ -213,7 +243,7 @@ def _feat(s: Shape) -> int:  # the exponents of one feature block (two halves) o
 
 
 def _states_flops(s: Shape) -> int:  # k's features; S += Rk^T v (two halves)
-    return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
+    return s.BH * s.nw * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BW)
 
 
 def _output_flops(s: Shape) -> int:
@@ -223,17 +253,18 @@ def _output_flops(s: Shape) -> int:
 
 
 def _dstates_flops(s: Shape) -> int:  # q's features; dS += Rq^T dnum
-    return s.BH * s.ne * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BE)
+    return s.BH * s.nw * s.Mb * s.nc * (_feat(s) + 2 * s.C * s.BM * s.BW)
 
 
 def _dqkv_flops(s: Shape, part: int) -> int:
     C, BM, BE, BD = s.C, s.BM, s.BEq, s.BD
     block = 2 * _feat(s)  # q's and k's features, every block
-    if part == 2:  # A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
-        return s.BH * s.nc * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
+    if part == 2:  # per value block of BU: A = Rq Rk^T, dv += Rk dSa; after the blocks dv += tril(A)^T g
+        BE = s.BU
+        return s.BH * s.nc * s.nu * (2 * C * C * BE + s.Mb * (block + 2 * C * C * BM + 2 * C * BM * BE))
     # dA = g v^T; d(Rq) = dA Rk + g Sb^T (dq) or d(Rk) = dA^T Rq + v dSa^T (dk); the gradient through wa
-    block += 2 * C * C * BM + 2 * C * BE * BM + 2 * C * BM * BD
-    return s.BH * s.nc * (2 * C * C * BE + s.Mb * block)
+    block += 2 * C * C * BM + 2 * C * BE * BM  # in each of the nd column blocks; the gradient through wa once
+    return s.BH * s.nc * (s.nd * (2 * C * C * BE + s.Mb * block) + s.Mb * 2 * C * BM * BD)
 
 
 # kernel name -> formula of a Shape: bytes (unique, re-read), FLOPs as executed, programs in its grid
@@ -241,9 +272,10 @@ OWN_KERNEL_BYTES = {k: _bytes(k) for k in KERNELS}
 OWN_KERNEL_FLOPS = {"_states": _states_flops, "_output": _output_flops, "_dden": lambda s: 0,
                     "_dstates": _dstates_flops,
                     **{name: (lambda s, p=p: _dqkv_flops(s, p)) for p, name in DQKV_PART.items()}}
-OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.ne, "_output": lambda s: s.nc * s.BH * s.ne,
-                   "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.ne,
-                   **{name: (lambda s: s.nc * s.BH) for name in DQKV_PART.values()}}
+OWN_KERNEL_GRID = {"_states": lambda s: s.BH * s.Mb * s.nw, "_output": lambda s: s.nc * s.BH * s.ne,
+                   "_dden": lambda s: s.nc * s.BH, "_dstates": lambda s: s.BH * s.Mb * s.nw,
+                   "_dqkv[dq]": lambda s: s.nc * s.BH * s.nd, "_dqkv[dk]": lambda s: s.nc * s.BH * s.nd,
+                   "_dqkv[dv]": lambda s: s.nc * s.BH * s.nu}
 
 
 def fill(programs: int, sms: int = SMS) -> tuple[int, float]:
