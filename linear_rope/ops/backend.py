@@ -148,6 +148,11 @@ def record(path: str) -> None:
         paths.append(path)
 
 
+# the backends that run on CUDA only: (what they run, the module they need, the line without it)
+_GPU_ONLY = {"fused": ("the fused Triton kernels", "triton", "triton is not installed"),
+             "fla": ("fla-core's kernels", "fla", "fla-core is not installed (pip install 'linear_rope[fla]')")}
+
+
 def check_backend(device: torch.device | str | None = None, specs=()) -> str:
     """The backend ``LINEAR_ROPE_BACKEND`` names, checked once at a program's start for work on
     ``device`` (None: CUDA if available, else the CPU): a one-line ValueError for a value that run
@@ -169,18 +174,13 @@ def check_backend(device: torch.device | str | None = None, specs=()) -> str:
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r} is not a backend: use one of "
                          f"{', '.join(BACKENDS)}, or unset it") from None
     dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    if name == "fused":
+    if name in _GPU_ONLY:
+        what, module, missing = _GPU_ONLY[name]
         if dev.type != "cuda":
-            raise ValueError(f"{ENV_VAR}=fused: the fused Triton kernels need a CUDA device and this run is on "
-                             f"{dev.type}; unset {ENV_VAR} or set it to auto or torch")
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError(f"{ENV_VAR}=fused: triton is not installed")
-    if name == "fla":
-        if dev.type != "cuda":
-            raise ValueError(f"{ENV_VAR}=fla: fla-core's kernels need a CUDA device and this run is on {dev.type}; "
+            raise ValueError(f"{ENV_VAR}={name}: {what} need a CUDA device and this run is on {dev.type}; "
                              f"unset {ENV_VAR} or set it to auto or torch")
-        if importlib.util.find_spec("fla") is None:
-            raise ValueError(f"{ENV_VAR}=fla: fla-core is not installed (pip install 'linear_rope[fla]')")
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"{ENV_VAR}={name}: {missing}")
     if name in ("auto", "fused") and dev.type == "cuda" and importlib.util.find_spec("triton") is not None:
         for spec in specs:
             if name == "auto" and not Spec(*spec).lowp:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _dot, _k_feats, _op, _q_feats, _rot, _rot_t, _rows, _tables
+from .common import _dot, _state_block, _k_feats, _op, _q_feats, _rot, _rot_t, _rows, _tables
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -71,17 +71,7 @@ def _dstates(q, wa, wb, c, cos, sin, mask, do, den, rmax, dden, dSn, dzn, dSa, d
     q += b * s_qb + h * s_qh
     cos += b * s_tb
     sin += b * s_tb
-    lanes = tl.arange(0, BM // 2)
-    je = j0 + 2 * lanes
-    jo = je + 1
-    me, mo = je < m, jo < m
-    ce = eb * BE + tl.arange(0, BE)
-    em = ce < e
-    cols = tl.arange(0, BD)
-    cm = cols < d
-    se = je[:, None] * e + ce[None, :]
-    so = jo[:, None] * e + ce[None, :]
-    mse, mso = me[:, None] & em[None, :], mo[:, None] & em[None, :]
+    lanes, je, jo, me, mo, ce, em, cols, cm, se, so, mse, mso = _state_block(j0, eb, m, d, e, BM, BD, BE)
     dS_e = tl.zeros([BM // 2, BE], dtype=tl.float32)
     dS_o = tl.zeros([BM // 2, BE], dtype=tl.float32)
     dz_e = tl.zeros([BM // 2], dtype=tl.float32)

@@ -28,6 +28,24 @@ def _op(x, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _state_block(j0, eb, m, d, e, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """The walks' indices (``_states``, ``_dstates``): a block's even and odd feature lanes (a RoPE
+    pair shares a lane) from ``j0`` and their masks, the value columns of block ``eb``, q or k's
+    columns, and the state tile's offsets and masks `[BM / 2, BE]`."""
+    lanes = tl.arange(0, BM // 2)
+    je = j0 + 2 * lanes
+    jo = je + 1
+    me, mo = je < m, jo < m
+    ce = eb * BE + tl.arange(0, BE)
+    em = ce < e
+    cols = tl.arange(0, BD)
+    cm = cols < d
+    se = je[:, None] * e + ce[None, :]
+    so = jo[:, None] * e + ce[None, :]
+    return lanes, je, jo, me, mo, ce, em, cols, cm, se, so, me[:, None] & em[None, :], mo[:, None] & em[None, :]
+
+
+@triton.jit
 def _dot(a, b, LOWP: tl.constexpr):
     """a @ b with a float32 result: bf16 operands under LOWP, IEEE float32 otherwise."""
     if LOWP:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _dot, _k_feats, _op, _q_exps, _q_feats, _rot, _rows, _tables
+from .common import _dot, _state_block, _k_feats, _op, _q_exps, _q_feats, _rot, _rows, _tables
 
 
 @triton.jit(do_not_specialize=["N", "nc"])
@@ -36,17 +36,7 @@ def _states(k, v, wa, wb, c, cos, sin, mask, S0, z0, Sb, zb, Sn, zn,
     v += b * s_vb + h * s_vh
     cos += b * s_tb
     sin += b * s_tb
-    lanes = tl.arange(0, BM // 2)
-    je = j0 + 2 * lanes
-    jo = je + 1
-    me, mo = je < m, jo < m
-    ce = eb * BE + tl.arange(0, BE)
-    em = ce < e
-    cols = tl.arange(0, BD)
-    cm = cols < d
-    se = je[:, None] * e + ce[None, :]
-    so = jo[:, None] * e + ce[None, :]
-    mse, mso = me[:, None] & em[None, :], mo[:, None] & em[None, :]
+    lanes, je, jo, me, mo, ce, em, cols, cm, se, so, mse, mso = _state_block(j0, eb, m, d, e, BM, BD, BE)
     if INIT:
         S_e = tl.load(S0 + bh * m * e + se, mask=mse, other=0.0).to(tl.float32)
         S_o = tl.load(S0 + bh * m * e + so, mask=mso, other=0.0).to(tl.float32)
